@@ -1,0 +1,26 @@
+"""rlmix: reinforcement-learning post-training of language models from plugins.
+
+The public API a plugin needs: ``rlmix.hookimpl``, the types below, ``rlmix.ops``, and
+``run.settings(name)``.
+"""
+
+from rlmix.errors import ConfigError, ManifestError, PluginError, RlmixError
+from rlmix.hookspecs import hookimpl, hookspec
+from rlmix.types import (
+    GenerationRequest,
+    HarnessUpdate,
+    LossTerms,
+    Minibatch,
+    Normalizers,
+    Prompt,
+    RolloutBatch,
+    Run,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "GenerationRequest", "HarnessUpdate", "LossTerms", "ManifestError",
+    "Minibatch", "Normalizers", "PluginError", "Prompt", "RlmixError", "RolloutBatch", "Run",
+    "hookimpl", "hookspec", "__version__",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from rlmix.cli import main
+
+sys.exit(main())

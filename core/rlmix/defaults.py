@@ -1,0 +1,98 @@
+"""The core's own default plugins, registered ``trylast`` so any plugin takes over.
+
+* ``rlmix_sample``: ``train.group_size`` completions per prompt through ``rlmix_generate``.
+* ``rlmix_update``: AdamW, gradient clipping, accumulation over minibatches, NaN/inf skip.
+* ``rlmix_token_logprobs``: plain torch (full logits).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from rlmix import plugins as _plugins
+from rlmix.hookspecs import hookimpl
+from rlmix.policy import plain_token_logprobs
+from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch, Run
+
+NAME = "rlmix.defaults"
+
+
+@hookimpl(trylast=True)
+def rlmix_configure(run: Run) -> None:
+    owner = next((n for n, w in _plugins.implementers(run.pm, "rlmix_update") if not w), None)
+    if owner == NAME and run.optimizer is None and run.policy is not None:
+        train = run.config.train
+        params = [p for p in run.policy.model.parameters() if p.requires_grad]
+        run.optimizer = torch.optim.AdamW(params, lr=float(train.lr),
+                                          betas=(float(train.adam_beta1),
+                                                 float(train.adam_beta2)),
+                                          weight_decay=float(train.weight_decay))
+        run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
+
+
+@hookimpl(trylast=True)
+def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
+    s = run.config.sampling
+    request = GenerationRequest(prompts=prompts, n=int(run.config.train.group_size),
+                                temperature=float(s.temperature), top_p=float(s.top_p),
+                                top_k=int(s.top_k), max_new_tokens=int(s.max_new_tokens))
+    batch = run.hook.rlmix_generate(run=run, request=request)
+    if batch is None:
+        raise RuntimeError("no plugin returned a batch from rlmix_generate")
+    return batch
+
+
+def _lr_at(run: Run) -> float:
+    train = run.config.train
+    warmup = int(train.warmup_steps)
+    done = run.state.get(NAME, {}).get("optimizer_steps", 0)
+    scale = min(1.0, (done + 1) / warmup) if warmup > 0 else 1.0
+    return float(train.lr) * scale
+
+
+@hookimpl(trylast=True)
+def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
+    if run.optimizer is None:
+        raise RuntimeError("the default rlmix_update has no optimizer (was rlmix_configure run?)")
+    state = run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
+    value = loss.value
+    assert value is not None
+    finite = bool(torch.isfinite(value.detach()).all())
+    if finite:
+        value.backward()
+    else:
+        state["pending_bad"] = True  # poison the whole accumulated update
+    stats: dict[str, Any] = {}
+    mb = loss.minibatch
+    if mb is None or mb.last:
+        params = [p for g in run.optimizer.param_groups for p in g["params"]]
+        max_norm = float(run.config.train.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, max_norm if max_norm > 0 else math.inf, error_if_nonfinite=False)
+        bad = state.pop("pending_bad", False) or not bool(torch.isfinite(grad_norm))
+        if bad:
+            # leave the weights untouched: drop the gradients, do not step
+            state["skipped_steps"] += 1
+            stats["update/skipped"] = 1.0
+        else:
+            lr = _lr_at(run)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            run.optimizer.step()
+            state["optimizer_steps"] += 1
+            run.policy_version += 1
+            stats["update/skipped"] = 0.0
+            stats["update/lr"] = lr
+        run.optimizer.zero_grad(set_to_none=True)
+        stats["update/grad_norm"] = float(grad_norm)
+    return stats
+
+
+@hookimpl(trylast=True)
+def rlmix_token_logprobs(run: Run, hidden: torch.Tensor, lm_head: torch.nn.Module,
+                         labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return plain_token_logprobs(hidden, lm_head, labels,
+                                float(run.config.sampling.temperature))

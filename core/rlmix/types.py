@@ -1,0 +1,286 @@
+"""The data that flows through the hooks: Prompt, RolloutBatch, LossTerms, Run, HarnessUpdate.
+
+Field names here are public API (DESIGN §4, §6): third-party plugins read and write them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pluggy
+    from omegaconf import DictConfig
+
+    from rlmix.policy import Policy
+
+LOSS_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class Prompt:
+    """One task. ``messages`` is a chat (``[{"role": ..., "content": ...}]``); ``answer`` is what
+    the env's scorer checks against; ``info`` carries anything else the env wants back."""
+
+    messages: list[dict[str, str]]
+    answer: Any = None
+    id: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationRequest:
+    """What ``rlmix_generate`` is asked for. ``temperature == 0`` means greedy."""
+
+    prompts: list[Prompt]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+
+
+_ROW_TENSORS = ("group", "tokens", "attention_mask", "completion_mask", "behavior_logp",
+                "policy_version", "rewards")
+_ROW_LISTS = ("texts", "info", "prompts")
+
+
+@dataclass
+class RolloutBatch:
+    """N samples. Per-token tensors are ``[N, T]`` and aligned with ``tokens`` (prompt + completion,
+    prompts left-padded). ``completion_mask`` is 1 on generated tokens only (0 on prompt,
+    tool-output and padding tokens). ``behavior_logp[:, t]`` is the sampler's log-prob of
+    ``tokens[:, t]`` (0 off the completion)."""
+
+    group: torch.Tensor  # [N] long: index of the prompt each sample answers
+    tokens: torch.Tensor  # [N, T] long
+    attention_mask: torch.Tensor  # [N, T]
+    completion_mask: torch.Tensor  # [N, T] float
+    behavior_logp: torch.Tensor  # [N, T] float
+    policy_version: torch.Tensor  # [N] long
+    texts: list[str] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)  # per sample (shared objects)
+    info: list[dict[str, Any]] = field(default_factory=list)
+    rewards: torch.Tensor | None = None  # [N]
+    reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: torch.Tensor | None = None  # [N] or [N, T]
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # plugin tensors, [N, ...]
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if not self.info:
+            self.info = [{} for _ in range(n)]
+        for name in ("group", "attention_mask", "completion_mask", "behavior_logp",
+                     "policy_version"):
+            value = getattr(self, name)
+            if value.shape[0] != n:
+                raise ValueError(f"RolloutBatch.{name} has {value.shape[0]} rows, tokens has {n}")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group.max().item()) + 1 if len(self) else 0
+
+    def select(self, index: torch.Tensor | list[int]) -> RolloutBatch:
+        """Rows ``index`` as a new batch (tensors indexed, lists picked, dicts per row)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rows = idx.tolist()
+        kwargs: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                kwargs[f.name] = None
+            elif isinstance(value, torch.Tensor):
+                kwargs[f.name] = value[idx]
+            elif isinstance(value, dict):
+                kwargs[f.name] = {k: v[idx] for k, v in value.items()}
+            elif isinstance(value, list):
+                kwargs[f.name] = [value[i] for i in rows] if value else []
+            else:
+                kwargs[f.name] = value
+        return RolloutBatch(**kwargs)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch], pad_token_id: int = 0) -> RolloutBatch:
+        """Stack batches row-wise, left-padding per-token tensors to the widest; ``group``
+        indices of later batches are shifted so groups stay distinct."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        width = max(b.tokens.shape[1] for b in batches)
+        out: dict[str, Any] = {}
+        offset = 0
+        groups = []
+        for b in batches:
+            groups.append(b.group + offset)
+            offset += b.num_groups
+        out["group"] = torch.cat(groups)
+
+        def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+            missing = width - t.shape[1]
+            if missing == 0:
+                return t
+            filler = torch.full((t.shape[0], missing, *t.shape[2:]), value, dtype=t.dtype)
+            return torch.cat([filler, t], dim=1)
+
+        out["tokens"] = torch.cat([pad(b.tokens, pad_token_id) for b in batches])
+        for name in ("attention_mask", "completion_mask", "behavior_logp"):
+            out[name] = torch.cat([pad(getattr(b, name), 0) for b in batches])
+        out["policy_version"] = torch.cat([b.policy_version for b in batches])
+        for name in _ROW_LISTS:
+            out[name] = [x for b in batches for x in getattr(b, name)]
+        if all(b.rewards is not None for b in batches):
+            out["rewards"] = torch.cat([b.rewards for b in batches])  # type: ignore[misc]
+        keys = set.intersection(*(set(b.reward_terms) for b in batches))
+        out["reward_terms"] = {k: torch.cat([b.reward_terms[k] for b in batches]) for k in keys}
+        if all(b.advantages is not None for b in batches):
+            advs = [b.advantages for b in batches]
+            out["advantages"] = (torch.cat([pad(a, 0) for a in advs]) if advs[0].dim() == 2
+                                 else torch.cat(advs))  # type: ignore[arg-type]
+        keys = set.intersection(*(set(b.extras) for b in batches))
+        out["extras"] = {k: torch.cat([b.extras[k] for b in batches]) for k in keys}
+        return RolloutBatch(**out)
+
+    def token_advantages(self) -> torch.Tensor:
+        """Advantages broadcast to ``[N, T]``."""
+        if self.advantages is None:
+            raise ValueError("batch has no advantages yet (rlmix_advantage has not run)")
+        if self.advantages.dim() == 1:
+            return self.advantages[:, None].expand_as(self.completion_mask)
+        return self.advantages
+
+
+@dataclass
+class Normalizers:
+    """Counts over the data of one whole optimizer step (all its minibatches), so that splitting
+    the step's data into minibatches never changes the gradient."""
+
+    tokens: float  # completion tokens in the update
+    sequences: float  # sequences in the update
+    norm_constant: float  # the constant of seq-mean-token-sum-norm (max new tokens by default)
+
+
+@dataclass
+class Minibatch:
+    """One forward/backward unit. ``last`` is True on the minibatch that closes an optimizer step."""
+
+    batch: RolloutBatch
+    normalizers: Normalizers
+    epoch: int = 0
+    index: int = 0
+    last: bool = True
+
+
+@dataclass
+class LossTerms:
+    """What ``rlmix_clip`` returns. ``loss`` and ``mask`` are ``[n, T]``; ``mode`` is one of
+    ``LOSS_MODES``; ``extra`` is an already-normalised scalar added after aggregation. The core
+    fills ``value`` (the aggregated scalar) and ``minibatch`` before calling ``rlmix_update``."""
+
+    loss: torch.Tensor
+    mask: torch.Tensor
+    mode: str = "token-mean"
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    minibatch: Minibatch | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"unknown loss aggregation mode {self.mode!r}; choose one of "
+                             f"{', '.join(LOSS_MODES)}")
+
+
+@dataclass
+class HarnessUpdate:
+    """New texts for named harness components, with the evidence that justified them."""
+
+    components: dict[str, str]
+    evidence: str = ""
+    parent_version: int = 0
+    source: str = ""
+
+
+@dataclass
+class Run:
+    """The object every hook receives."""
+
+    config: DictConfig
+    pm: pluggy.PluginManager
+    settings_by_plugin: dict[str, Any]
+    out_dir: Path
+    policy: Policy | None = None
+    step: int = 0
+    policy_version: int = 0
+    harness: dict[str, str] = field(default_factory=dict)
+    harness_version: int = 0
+    state: dict[str, Any] = field(default_factory=dict)  # checkpointed plugin state
+    resources: dict[str, Any] = field(default_factory=dict)  # plugin objects, not checkpointed
+    rng: random.Random = field(default_factory=random.Random)
+    logger: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    plugin_names: list[str] = field(default_factory=list)
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.policy.tokenizer if self.policy is not None else None
+
+    def settings(self, name: str) -> Any:
+        """The validated settings dataclass of plugin ``name`` (its manifest block)."""
+        try:
+            return self.settings_by_plugin[name]
+        except KeyError:
+            known = ", ".join(sorted(self.settings_by_plugin)) or "none"
+            raise KeyError(f"no settings for plugin {name!r} (plugins with settings: {known})"
+                           ) from None
+
+    def sample(self, prompts: list[Prompt]) -> RolloutBatch:
+        """Sampling behind one call: the seam an asynchronous sampler replaces."""
+        batch = self.hook.rlmix_sample(run=self, prompts=prompts)
+        if batch is None:
+            raise RuntimeError("no plugin returned a batch from rlmix_sample")
+        return batch
+
+    def generate(self, prompts: list[Prompt], *, n: int = 1, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0,
+                 max_new_tokens: int | None = None) -> RolloutBatch:
+        """Plain generation (greedy by default) through ``rlmix_generate``, no wrappers."""
+        request = GenerationRequest(
+            prompts=prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens or int(self.config.sampling.max_new_tokens))
+        batch = self.hook.rlmix_generate(run=self, request=request)
+        if batch is None:
+            raise RuntimeError("no plugin returned a batch from rlmix_generate")
+        return batch
+
+    def minibatches(self, batch: RolloutBatch) -> Iterator[Minibatch]:
+        """Epochs x updates x accumulation chunks, each with its update's global normalisers."""
+        train = self.config.train
+        n = len(batch)
+        updates = max(1, int(train.updates_per_epoch))
+        chunks = max(1, int(train.grad_accum))
+        norm_constant = float(train.loss_norm_constant or self.config.sampling.max_new_tokens)
+        gen = torch.Generator().manual_seed(int(train.seed) * 1_000_003 + self.step)
+        for epoch in range(int(train.epochs)):
+            order = (torch.randperm(n, generator=gen) if (updates > 1 and train.shuffle)
+                     else torch.arange(n))
+            for u, update_rows in enumerate(torch.tensor_split(order, updates)):
+                if len(update_rows) == 0:
+                    continue
+                cmask = batch.completion_mask[update_rows]
+                normalizers = Normalizers(tokens=float(cmask.sum().clamp(min=1)),
+                                          sequences=float(len(update_rows)),
+                                          norm_constant=norm_constant)
+                parts = [p for p in torch.tensor_split(update_rows, chunks) if len(p)]
+                for i, rows in enumerate(parts):
+                    yield Minibatch(batch=batch.select(rows), normalizers=normalizers,
+                                    epoch=epoch, index=u * chunks + i, last=i == len(parts) - 1)
