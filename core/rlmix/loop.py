@@ -22,7 +22,8 @@ from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 
 def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
-            required: dict[str, str] | None = None) -> tuple[Run, list[plugin_loading.LoadedPlugin]]:
+            required: dict[str, str] | None = None,
+            ) -> tuple[Run, list[plugin_loading.LoadedPlugin]]:
     """Validate the manifest, load and register its plugins, check hook ownership.
 
     Everything here happens before any model loads, so manifest mistakes fail fast."""
@@ -55,15 +56,21 @@ def load_policy(run: Run) -> None:
     model, tok = load_model(str(run.config.model), str(pol.dtype))
     if pol.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    run.policy = Policy(model, tok, device=device, autocast=str(pol.autocast))
+    run.policy = Policy(model, tok, device=device, autocast=str(pol.autocast),
+                        share_prefix=bool(pol.share_prefix),
+                        gradient_checkpointing=bool(pol.gradient_checkpointing))
 
 
 def configure(run: Run) -> None:
     for impl in reversed(run.pm.hook.rlmix_configure.get_hookimpls()):
         try:
             impl.function(run=run)
-        except (ManifestError, PluginError):
-            raise
+        except (ManifestError, PluginError) as exc:
+            if f"'{impl.plugin_name}'" in str(exc):
+                raise
+            # a plugin's own ConfigError: say whose it is, as for any other failure
+            kind = ManifestError if isinstance(exc, ManifestError) else PluginError
+            raise kind(f"plugin '{impl.plugin_name}' failed to configure: {exc}") from exc
         except Exception as exc:
             raise PluginError(f"plugin '{impl.plugin_name}' failed to configure: "
                               f"{type(exc).__name__}: {exc}") from exc

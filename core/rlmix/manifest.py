@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlmix.errors import ManifestError
 
@@ -59,6 +59,7 @@ class PolicyConfig:
     threads: int = 0  # torch threads; 0 = torch's default
     device: str = "auto"  # auto | cpu | cuda
     gradient_checkpointing: bool = False
+    share_prefix: bool = True  # run each group's prompt once in the training forward
 
 
 @dataclass
@@ -174,7 +175,14 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
     except OmegaConfBaseException as exc:
         raise _structured_error(exc, prefix, cls, owner) from None
     except (ValueError, TypeError) as exc:  # raised by a Settings.__post_init__ check
-        raise ManifestError(f"manifest error at '{prefix}' (plugin '{owner}'): {exc}") from None
+        # "field: message" (the convention of the plugins' checks) names the key path itself
+        text = str(exc)
+        head, sep, rest = text.partition(":")
+        names = {f.name for f in dataclasses.fields(cls)}
+        path = prefix
+        if sep and head.strip() in names:
+            path, text = f"{prefix}.{head.strip()}" if prefix else head.strip(), rest.strip()
+        raise ManifestError(f"manifest error at '{path}' (plugin '{owner}'): {text}") from None
 
 
 def validate_core(cfg: DictConfig) -> CoreConfig:

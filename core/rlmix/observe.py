@@ -100,8 +100,10 @@ class ObservePlugin:
 
     @hookimpl(trylast=True)
     def rlmix_configure(self, run: Run) -> None:
-        run.out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run.out_dir / METRICS_FILE, "a", buffering=1)
+        # metrics.jsonl is opened on the first write, not here: a resume truncates it (by
+        # replacing the file) after configure, and a handle opened now would keep writing
+        # to the replaced, unlinked file; nor is the run folder made here (``rlmix eval``
+        # configures plugins and must not leave an empty run folder behind)
         if run.config.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -120,10 +122,12 @@ class ObservePlugin:
 
     def write(self, run: Run, metrics: dict[str, Any]) -> None:
         row = {k: _clean(v) for k, v in metrics.items()}
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-            os.fsync(self.file.fileno())
+        if self.file is None:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            self.file = open(run.out_dir / METRICS_FILE, "a", buffering=1)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":

@@ -96,12 +96,21 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
             by_family.setdefault(known[name].family, []).append(name)
 
     for family, members in by_family.items():
-        def failed(_manager: Any, entrypoint: Any, exc: BaseException) -> None:
+        def failed(_manager: Any, entrypoint: Any, exc: BaseException,
+                   family: str = family) -> None:
             raise PluginError(f"plugin '{entrypoint.name}' ({family}) failed to import: "
                               f"{type(exc).__name__}: {exc}") from exc
 
+        def not_found(missing: Any, family: str = family) -> None:
+            raise PluginError(f"plugin {', '.join(repr(m) for m in missing)} ({family}) is "
+                              f"installed but its entry point could not be loaded")
+
+        # stevedore caches entry points per family for the life of the process; drop that
+        # cache so a plugin installed (or put on sys.path) since the last load is found
+        NamedExtensionManager.ENTRY_POINT_CACHE.pop(family, None)
         manager = NamedExtensionManager(family, names=members, name_order=True,
-                                        on_load_failure_callback=failed)
+                                        on_load_failure_callback=failed,
+                                        on_missing_entrypoints_callback=not_found)
         for ext in manager:
             info = known[ext.name]
             loaded[ext.name] = LoadedPlugin(ext.name, family, ext.plugin,

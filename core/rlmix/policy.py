@@ -59,7 +59,8 @@ def byte_tokenizer() -> Any:
     return fast
 
 
-def tiny_random(seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4) -> tuple[Any, Any]:
+def tiny_random(seed: int = 0, hidden: int = 64, layers: int = 2,
+                heads: int = 4) -> tuple[Any, Any]:
     """A random ``LlamaForCausalLM`` (about 0.1M parameters) and the byte tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -156,8 +157,12 @@ class Policy:
     """The trained model, its tokenizer, and log-prob computation through the kernels hook."""
 
     def __init__(self, model: Any, tokenizer: Any, device: str = "cpu",
-                 autocast: str = "none") -> None:
+                 autocast: str = "none", share_prefix: bool = True,
+                 gradient_checkpointing: bool = False) -> None:
         self.model = model.to(device)
+        # a KV cache cannot be shared under activation checkpointing (transformers drops it)
+        self.share_prefix = share_prefix
+        self.gradient_checkpointing = gradient_checkpointing
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.autocast_dtype = _DTYPES.get(autocast) if autocast != "none" else None
@@ -187,10 +192,12 @@ class Policy:
         first = max(int(cols[0]), 1)
         position_ids = (attn.long().cumsum(-1) - 1).clamp(min=0)
         with self.autocast():
-            hidden = model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
-                                           position_ids=position_ids[:, :-1],
-                                           use_cache=False).last_hidden_state
-        hidden = hidden[:, first - 1:]
+            if self.share_prefix and not self.gradient_checkpointing:
+                hidden = shared_prefix_hidden(model, tokens, attn, position_ids, first)
+            else:
+                hidden = model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
+                                          position_ids=position_ids[:, :-1],
+                                          use_cache=False).last_hidden_state[:, first - 1:]
         labels = tokens[:, first:]
         result = run.hook.rlmix_token_logprobs(run=run, hidden=hidden,
                                               lm_head=model.get_output_embeddings(),
@@ -198,6 +205,42 @@ class Policy:
         logp, entropy = result
         pad = torch.zeros(n, first, device=self.device, dtype=logp.dtype)
         return torch.cat([pad, logp], 1), torch.cat([pad, entropy.to(logp.dtype)], 1)
+
+
+def shared_prefix_hidden(model: Any, tokens: torch.Tensor, attn: torch.Tensor,
+                         position_ids: torch.Tensor, first: int) -> torch.Tensor:
+    """Final hidden states at positions ``first-1 .. T-2`` (those that predict the completion),
+    running each distinct prompt prefix once and sharing its KV cache across the rows that
+    start with it (a GRPO group shares one prompt). Gradients flow through the shared prefix
+    exactly as through a full forward; only the repeated work is gone."""
+    key = torch.cat([tokens[:, :first], attn[:, :first].long()], 1)
+    uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(uniq) == len(tokens):  # nothing shared: one plain forward is cheaper
+        return model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
+                                position_ids=position_ids[:, :-1],
+                                use_cache=False).last_hidden_state[:, first - 1:]
+    rows = torch.zeros(len(uniq), dtype=torch.long, device=tokens.device).scatter_(
+        0, inverse, torch.arange(len(tokens), device=tokens.device))
+    prefix = model.base_model(input_ids=tokens[rows, :first], attention_mask=attn[rows, :first],
+                              position_ids=position_ids[rows, :first], use_cache=True)
+    last = prefix.last_hidden_state[:, -1:][inverse]
+    if tokens.shape[1] - 1 <= first:
+        return last
+    cache = getattr(prefix, "cache", None)
+    cache = prefix.past_key_values if cache is None else cache
+    cache.batch_select_indices(inverse)
+    rest = model.base_model(input_ids=tokens[:, first:-1], attention_mask=attn[:, :-1],
+                            position_ids=position_ids[:, first:-1], use_cache=True,
+                            **{cache_argument(model.base_model): cache})
+    return torch.cat([last, rest.last_hidden_state], 1)
+
+
+def cache_argument(model: Any) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; use whichever ``model`` takes."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def plain_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,

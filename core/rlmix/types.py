@@ -6,9 +6,10 @@ Field names here are public API (DESIGN §4, §6): third-party plugins read and 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -167,7 +168,7 @@ class Normalizers:
 
 @dataclass
 class Minibatch:
-    """One forward/backward unit. ``last`` is True on the minibatch that closes an optimizer step."""
+    """One forward/backward unit; ``last`` is True on the one that closes an optimizer step."""
 
     batch: RolloutBatch
     normalizers: Normalizers

@@ -103,7 +103,9 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
     batch = mb.batch
     mask = batch.completion_mask.to(logp.device)
     single_update = int(run.config.train.epochs) * int(run.config.train.updates_per_epoch) == 1
-    use_detached = s.old_logp == "detached" or (s.old_logp == "auto" and single_update)
+    # the current weights are the sampler's only when every sample is of this policy version
+    fresh = bool((batch.policy_version == run.policy_version).all())
+    use_detached = s.old_logp == "detached" or (s.old_logp == "auto" and single_update and fresh)
     behavior = batch.behavior_logp.to(logp.device)
     old = logp.detach() if use_detached else behavior
     adv = batch.token_advantages().to(logp.device)

