@@ -135,3 +135,18 @@ def test_finite_loss_steps_and_changes_weights(tmp_path: Path) -> None:
     assert metrics["update/skipped"] == 0
     assert run.policy_version == 1 and metrics["policy_version"] == 1
     assert any(not torch.equal(before[k], v) for k, v in _weights(run).items())
+
+
+def test_tensorboard_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """log.tensorboard writes event files; the run ends by printing eval before -> after."""
+    pytest.importorskip("tensorboard")
+    from rlmix import cli
+
+    out = tmp_path / "tb"
+    code = cli.main(["run", str(EXAMPLE), *TINY, "train.steps=2", "train.eval_every=0",
+                     "log.tensorboard=true", f"out={out}"])
+    assert code == 0
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "eval/accuracy:" in printed and "(step 0) ->" in printed and "(step 2)" in printed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     run = loop.build_run(cfg, resume=args.resume)
     print(f"rlmix: run folder {run.out_dir}" + (f" (resumed at step {run.step})"
                                                  if args.resume else ""))
-    print(loop.log_owner_table(run))
-    last = loop.train(run)
-    summary = {k: v for k, v in last.items() if k.startswith(("eval/", "reward/mean", "step"))}
-    print("rlmix: done " + json.dumps(summary))
+    print("rlmix: hook owners")
+    print("\n".join(f"  {line}" for line in loop.log_owner_table(run).splitlines()))
+    started = time.perf_counter()
+    loop.train(run)
+    print(f"rlmix: done in {time.perf_counter() - started:.0f} s; {run.step} steps; "
+          f"outputs in {run.out_dir}")
+    for line in eval_summary(run.out_dir / "metrics.jsonl"):
+        print(line)
     return 0
+
+
+def eval_summary(metrics_file: Path) -> list[str]:
+    """``eval/<metric>: first -> last`` for every evaluation metric the run logged."""
+    from rlmix.observe import read_metrics
+
+    rows = [r for r in read_metrics(metrics_file) if any(k.startswith("eval/") for k in r)]
+    if not rows:
+        return []
+    first, last = rows[0], rows[-1]
+    lines = []
+    for key in sorted(k for k in last if k.startswith("eval/")):
+        before = first.get(key)
+        text = f"{before:.3f}" if isinstance(before, (int, float)) else "-"
+        lines.append(f"  {key}: {text} (step {first['step']}) -> {last[key]:.3f} "
+                     f"(step {last['step']})")
+    return lines
 
 
 def _cmd_config(args: argparse.Namespace) -> int:

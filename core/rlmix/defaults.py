@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -77,6 +78,9 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
             # leave the weights untouched: drop the gradients, do not step
             state["skipped_steps"] += 1
             stats["update/skipped"] = 1.0
+            print(f"rlmix: warning: step {run.step + 1}: non-finite loss or gradient; optimizer "
+                  f"step skipped, weights unchanged ({state['skipped_steps']} skipped so far)",
+                  file=sys.stderr)
         else:
             lr = _lr_at(run)
             for group in run.optimizer.param_groups:

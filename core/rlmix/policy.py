@@ -124,8 +124,17 @@ def smollm2_folder() -> Path:
 ALIASES = {"tiny-random": None, "smollm2-135m": smollm2_folder}
 
 
+def _quiet_transformers() -> None:
+    """transformers' per-tensor progress bars and notices would drown rlmix's own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
     """Return ``(model, tokenizer)`` for an alias, a local folder or a Hugging Face id on disk."""
+    _quiet_transformers()
     if name == "tiny-random":
         model, tok = tiny_random()
         return model.to(_DTYPES[dtype]), tok
