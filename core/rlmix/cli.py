@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -50,32 +49,15 @@ def eval_summary(metrics_file: Path) -> list[str]:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rlmix import loop, manifest
+    from rlmix import loop, manifest, plugins
 
     cfg = manifest.read(args.manifest, args.overrides)
     run, _ = loop.prepare(cfg)
     print(OmegaConf.to_yaml(run.config), end="")
     print("# hook owners (the last listed implementer owns a firstresult hook)")
-    for line in _owner_lines(run):
+    for line in plugins.format_owner_table(run.pm):
         print(f"# {line}")
     return 0
-
-
-def _owner_lines(run: Any) -> list[str]:
-    from rlmix import plugins
-
-    lines = []
-    for row in plugins.owner_table(run.pm):
-        if row.kind == "firstresult":
-            text = f"{row.hook:<22} owner: {row.owner or '-'}"
-            if row.displaced:
-                text += f"  displaces: {', '.join(row.displaced)}"
-        else:
-            text = f"{row.hook:<22} all: {', '.join(row.implementers) or '-'}"
-        if row.wrappers:
-            text += f"  wrappers: {', '.join(row.wrappers)}"
-        lines.append(text)
-    return lines
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:

@@ -220,19 +220,9 @@ def _observer(run: Run) -> observe.ObservePlugin:
 
 
 def log_owner_table(run: Run) -> str:
-    lines = []
-    for row in plugin_loading.owner_table(run.pm):
-        if row.kind == "firstresult":
-            text = f"{row.hook}: {row.owner or '-'}"
-            if row.displaced:
-                text += f" (displaces {', '.join(row.displaced)})"
-        else:
-            text = f"{row.hook}: all of [{', '.join(row.implementers)}]"
-        if row.wrappers:
-            text += f" wrapped by {', '.join(row.wrappers)}"
-        lines.append(text)
-    table = "\n".join(lines)
-    (run.out_dir).mkdir(parents=True, exist_ok=True)
+    """The owner table, written to ``hooks.txt`` in the run folder and returned."""
+    table = "\n".join(plugin_loading.format_owner_table(run.pm))
+    run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "hooks.txt").write_text(table + "\n")
     return table
 

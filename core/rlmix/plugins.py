@@ -177,6 +177,22 @@ def owner_table(pm: pluggy.PluginManager) -> list[HookOwner]:
     return rows
 
 
+def format_owner_table(pm: pluggy.PluginManager) -> list[str]:
+    """One line per hook: its owner and what it displaced, or every implementer; wrappers."""
+    lines = []
+    for row in owner_table(pm):
+        if row.kind == "firstresult":
+            text = f"{row.hook:<22} owner: {row.owner or '-'}"
+            if row.displaced:
+                text += f"  displaces: {', '.join(row.displaced)}"
+        else:
+            text = f"{row.hook:<22} all: {', '.join(row.implementers) or '-'}"
+        if row.wrappers:
+            text += f"  wrappers: {', '.join(row.wrappers)}"
+        lines.append(text)
+    return lines
+
+
 def check_required(pm: pluggy.PluginManager, required: dict[str, str] | None = None) -> None:
     """A required hook with no owner is a manifest error naming who could provide it."""
     required = hookspecs.REQUIRED_HOOKS if required is None else required
