@@ -38,6 +38,21 @@ def demo(session: nox.Session) -> None:
     session.run("rlmix", "run", "examples/grpo-arith.yaml", *session.posargs)
 
 
+PEERS_TRL = "trl==1.16.0"
+# verl imports without a GPU when installed without its dependencies (see shared/PEERS.md)
+PEERS_VERL = ["--no-deps", "verl==0.9.1", "tensordict", "codetiming", "orjson"]
+
+
+@nox.session(python="3.11")
+def parity(session: nox.Session) -> None:
+    """Every plugin's parity tests against TRL and verl, installed here."""
+    install_core(session, *PLUGINS)
+    session.install(PEERS_TRL)
+    session.install(*PEERS_VERL)
+    test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
+    session.run("pytest", "-q", "-m", "parity", "-rs", *test_dirs, *session.posargs)
+
+
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff")

@@ -387,6 +387,7 @@ def test_grpo_learns_the_toy_task_and_beats_zero_advantage():
 # ---------------------------------------------------------------- parity with verl
 
 
+@pytest.mark.parity
 def test_parity_with_verl():
     core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
     import numpy as np
