@@ -81,9 +81,14 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
     if missing:
         choices = ", ".join(sorted(set(known) | set(extra))) or "none installed"
         hints = "; ".join(f"'{install_hint(n)}'" for n in missing)
+        import difflib
+
+        close = {m: difflib.get_close_matches(m, set(known) | set(extra), n=1) for m in missing}
+        guess = "; ".join(f"did you mean '{c[0]}' for '{m}'?" for m, c in close.items() if c)
         raise ManifestError(
             f"plugins: unknown plugin {', '.join(repr(m) for m in missing)}; installed plugins: "
-            f"{choices}. If it is published, {hints} would bring it.")
+            f"{choices}." + (f" {guess[0].upper()}{guess[1:]}" if guess else "")
+            + f" If it is published, {hints} would bring it.")
 
     loaded: dict[str, LoadedPlugin] = {}
     for name in names:
