@@ -5,6 +5,8 @@ Pure functions, tensors in and tensors out.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlmix.types import LOSS_MODES, Normalizers
@@ -91,3 +93,61 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logz = torch.logsumexp(logits, dim=-1, keepdim=True)
     probs = torch.exp(logits - logz)
     return logz.squeeze(-1) - (probs * logits).sum(-1)
+
+
+# ---------------------------------------------------------------- shared by policy losses
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGP_CHOICES = ("auto", "behavior", "detached")
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` with
+    ``r = exp(logp - old_logp)``; also returns where the clipped branch was taken."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) at tokens sampled from pi (Schulman's estimators),
+    with ``log_r = ref_logp - logp``: ``k1 = -log_r``, ``k2 = log_r^2 / 2``,
+    ``k3 = exp(log_r) - 1 - log_r`` (never negative; k1 and k3 are unbiased)."""
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def old_logprobs(run: Any, batch: Any, logp: torch.Tensor, choice: str) -> torch.Tensor:
+    """The log-probs a policy ratio is taken against.
+
+    ``behavior``: the sampler's log-probs recorded in the batch. ``detached``: the current
+    log-probs, detached (ratio exactly 1, gradient of the plain policy gradient). ``auto``:
+    ``detached`` when it is exact — one optimizer step per batch and every sample generated
+    by the current policy version — otherwise ``behavior``."""
+    if choice not in OLD_LOGP_CHOICES:
+        raise ValueError(f"old_logp: {choice!r} is not one of {', '.join(OLD_LOGP_CHOICES)}")
+    train = run.config.train
+    single_update = int(train.epochs) * int(train.updates_per_epoch) == 1
+    fresh = bool((batch.policy_version == run.policy_version).all())
+    if choice == "detached" or (choice == "auto" and single_update and fresh):
+        return logp.detach()
+    return batch.behavior_logp.to(logp.device)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with the masked mean and unbiased variance over every
+    masked-in entry; 0 off the mask, and 0 everywhere when there is no spread (a single entry,
+    or all equal), never NaN."""
+    mask = mask.to(values.dtype)
+    var = masked_var(values, mask, unbiased=True)
+    if not bool(var > 0):
+        return torch.zeros_like(values)
+    return (values - masked_mean(values, mask)) * torch.rsqrt(var + eps) * mask

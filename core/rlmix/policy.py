@@ -267,3 +267,14 @@ def plain_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels:
         probs = torch.softmax(logits, -1)
         entropy = logz - (probs * logits).sum(-1)
     return logp, entropy
+
+
+def frozen_copy(model: Any) -> Any:
+    """A deep copy of ``model`` in eval mode with no parameter requiring gradients (a reference
+    policy); it never changes after the copy."""
+    import copy
+
+    clone = copy.deepcopy(model).eval()
+    for p in clone.parameters():
+        p.requires_grad_(False)
+    return clone

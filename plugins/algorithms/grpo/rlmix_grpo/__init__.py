@@ -3,18 +3,21 @@ reference (k1, k2 or k3 estimator)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 
 import rlmix
 from rlmix import ops
+from rlmix.policy import frozen_copy
 from rlmix.types import LOSS_MODES, LossTerms, Minibatch, RolloutBatch, Run
 
 SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-OLD_LOGP = ("auto", "behavior", "detached")
+KL_ESTIMATORS = ops.KL_ESTIMATORS
+OLD_LOGP = ops.OLD_LOGP_CHOICES
+# the PPO surrogate and the KL estimators are shared math, kept in rlmix.ops
+clipped_surrogate = ops.clipped_surrogate
+kl_estimate = ops.kl_estimate
 
 
 @dataclass
@@ -56,36 +59,11 @@ def group_normalized_advantage(rewards: torch.Tensor, group: torch.Tensor, scale
     raise ValueError(f"scale: {scale!r} is not one of {', '.join(SCALES)}")
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                      eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` with
-    ``r = exp(logp - old_logp)``; also returns where the clipped branch was taken."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped)
-
-
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
-    log_ratio = ref_logp - logp
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"kl_estimator: {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
-
-
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s = run.settings("grpo")
     if s.beta > 0 and run.policy is not None:
-        reference = copy.deepcopy(run.policy.model).eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
+        reference = frozen_copy(run.policy.model)
         # rebuilt from the initial weights on every start, so it is not checkpoint state
         run.resources["grpo.reference"] = reference
 
@@ -102,12 +80,8 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
     s = run.settings("grpo")
     batch = mb.batch
     mask = batch.completion_mask.to(logp.device)
-    single_update = int(run.config.train.epochs) * int(run.config.train.updates_per_epoch) == 1
-    # the current weights are the sampler's only when every sample is of this policy version
-    fresh = bool((batch.policy_version == run.policy_version).all())
-    use_detached = s.old_logp == "detached" or (s.old_logp == "auto" and single_update and fresh)
     behavior = batch.behavior_logp.to(logp.device)
-    old = logp.detach() if use_detached else behavior
+    old = ops.old_logprobs(run, batch, logp, s.old_logp)
     adv = batch.token_advantages().to(logp.device)
     loss, clipped = clipped_surrogate(logp, old, adv, s.eps_low, s.eps_high)
     metrics = {
