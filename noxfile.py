@@ -40,7 +40,8 @@ def demo(session: nox.Session) -> None:
 
 PEERS_TRL = "trl==1.16.0"
 # verl imports without a GPU when installed without its dependencies (see shared/PEERS.md)
-PEERS_VERL = ["--no-deps", "verl==0.9.1", "tensordict", "codetiming", "orjson"]
+PEERS_VERL = ["--no-deps", "verl==0.9.1", "tensordict==0.10.0", "codetiming", "orjson"]
+PEERS_VERL_DEPS = ["ray==2.60.0", "pyvers", "cloudpickle"]  # what verl's core_algos imports at module level
 
 
 @nox.session(python="3.11")
@@ -49,6 +50,9 @@ def parity(session: nox.Session) -> None:
     install_core(session, *PLUGINS)
     session.install(PEERS_TRL)
     session.install(*PEERS_VERL)
+    session.install(*PEERS_VERL_DEPS)
+    # a peer that fails to import would turn every parity test into a skip: fail loudly instead
+    session.run("python", "-c", "import trl, verl.trainer.ppo.core_algos")
     test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
     session.run("pytest", "-q", "-m", "parity", "-rs", *test_dirs, *session.posargs)
 
