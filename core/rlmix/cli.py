@@ -1,4 +1,4 @@
-"""``rlmix run | plugins | config | eval``."""
+"""``rlmix run | plugins | config | eval | new-plugin``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,18 @@ def eval_summary(metrics_file: Path) -> list[str]:
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlmix import loop, manifest, plugins
 
+    if args.schema or args.hooks:
+        from rlmix.templates import reference
+
+        if args.manifest is not None:
+            raise RlmixError("config --schema / --hooks take no manifest (they document every "
+                             "installed plugin and every hook)")
+        print(reference.schema_markdown() if args.schema else reference.hooks_markdown(),
+              end="")
+        return 0
+    if args.manifest is None:
+        raise RlmixError("config: give a manifest to resolve, or --schema (the manifest "
+                         "reference) or --hooks (the hooks reference)")
     cfg = manifest.read(args.manifest, args.overrides)
     run, _ = loop.prepare(cfg)
     print(OmegaConf.to_yaml(run.config), end="")
@@ -66,6 +78,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from rlmix import plugins
 
     found = plugins.installed()
+    if args.check is not None:
+        return _check_plugins(found, args.check, args.level, args.json)
     if not found:
         print("no rlmix plugins installed (pip install rlmix-hf rlmix-arith rlmix-grpo)")
         return 0
@@ -97,6 +111,80 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _check_plugins(found: dict, names: list[str], level: str, as_json: bool) -> int:
+    """The conformance kit over the named (default: every installed) plugins: a pass/fail
+    table, each failure's message below it; exit 1 on any failure."""
+    import difflib
+
+    from rlmix.testing import conformance
+
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], found, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise RlmixError(f"plugins --check: no installed plugin named "
+                         f"{', '.join(repr(u) for u in unknown)}{hint}; installed: "
+                         f"{', '.join(sorted(found)) or 'none'}")
+    chosen = sorted(names or found, key=lambda n: (found[n].family, n))
+    reports = []
+    for name in chosen:
+        started = time.perf_counter()
+        report = conformance.check_plugin(name, level=level)
+        reports.append((name, report, time.perf_counter() - started))
+    failed = [r for _, r, _ in reports if not r.ok]
+    if as_json:
+        print(json.dumps([{"name": name, "family": found[name].family, "ok": r.ok,
+                           "seconds": round(sec, 2),
+                           "checks": [{"check": x.check, "ok": x.ok, "skipped": x.skipped,
+                                       "message": x.message} for x in r.results]}
+                          for name, r, sec in reports], indent=1))
+        return 1 if failed else 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"rlmix conformance ({level} checks)")
+    for col in ("family", "name", "result", "checks", "seconds", "first failure"):
+        table.add_column(col)
+    for name, r, sec in reports:
+        passed = sum(x.ok and not x.skipped for x in r.results)
+        skipped = sum(x.skipped for x in r.results)
+        result = "pass" if r.ok else "FAIL"
+        first = r.failures[0] if r.failures else None
+        counts = f"{passed} passed" + (f", {len(r.failures)} failed" if r.failures else "") \
+            + (f", {skipped} skipped" if skipped else "")
+        table.add_row(found[name].family.removeprefix("rlmix."), name, result, counts,
+                      f"{sec:.1f}",
+                      escape(f"{first.check}: {first.message}") if first else "")
+    console = Console(width=160)
+    console.print(table)
+    for _, r, _ in reports:
+        if not r.ok:
+            console.print(escape(r.format()), soft_wrap=True)
+    summary = (f"{len(reports) - len(failed)} of {len(reports)} plugins pass" +
+               (f"; failing: {', '.join(r.plugin for r in failed)}" if failed else ""))
+    print(summary)
+    return 1 if failed else 0
+
+
+def _cmd_new_plugin(args: argparse.Namespace) -> int:
+    from rlmix import templates
+
+    if not args.family:
+        raise RlmixError(f"new-plugin: --family is required; choose one of "
+                         f"{', '.join(templates.FAMILY_HOOKS)}")
+    folder = templates.new_plugin(args.name, args.family, args.hooks, args.dir)
+    family = templates.check_family(args.family)
+    print(f"rlmix: wrote the plugin package {folder}")
+    print(f"  entry point '{args.name}' in rlmix.{family}, module rlmix_{args.name}")
+    print("next:")
+    print(f"  pip install -e {folder}")
+    print(f"  pytest -q {folder / 'tests'}              # its tests, with the conformance kit")
+    print(f"  pytest -q --rlmix-conformance {args.name}  # the full kit")
+    print(f"  rlmix run MANIFEST                 # with '{args.name}' in its plugins list")
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from rlmix import checkpoint, loop, manifest
 
@@ -123,13 +211,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value dotlist overrides")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.set_defaults(func=_cmd_run)
-    p = sub.add_parser("config", help="print the resolved manifest and hook owners")
-    p.add_argument("manifest")
+    p = sub.add_parser("config", help="print the resolved manifest and hook owners; or the "
+                                      "manifest reference (--schema) or hooks reference (--hooks)")
+    p.add_argument("manifest", nargs="?")
     p.add_argument("overrides", nargs="*")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--schema", action="store_true",
+                      help="print the manifest reference (Markdown): every core and installed "
+                           "plugin setting, its type, default and description")
+    what.add_argument("--hooks", action="store_true",
+                      help="print the hooks reference (Markdown) from the hook specifications")
     p.set_defaults(func=_cmd_config)
-    p = sub.add_parser("plugins", help="list installed plugins and their hooks")
+    p = sub.add_parser("plugins", help="list installed plugins and their hooks, or check them "
+                                       "with the conformance kit (--check)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--check", nargs="*", metavar="NAME", default=None,
+                   help="run the conformance kit over these plugins (default: all installed); "
+                        "exit 1 on any failure")
+    p.add_argument("--level", choices=("quick", "full"), default="quick",
+                   help="with --check: quick (default) or full")
     p.set_defaults(func=_cmd_plugins)
+    p = sub.add_parser("new-plugin", help="write a new plugin package (pyproject, module, "
+                                          "settings, tests, tox.ini, README)")
+    p.add_argument("name", help="entry-point name (lowercase, digits, underscores)")
+    p.add_argument("--family", help="algorithms | rollout | envs | harness | kernels | trainers")
+    p.add_argument("--hooks", help="comma-separated hooks (short names: prompts, sample, "
+                                   "generate, score, advantage, clip, update, evolve, "
+                                   "token_logprobs, evaluate, step_end, configure); default: "
+                                   "the family's usual ones")
+    p.add_argument("--dir", default=".", help="where to write the package folder <dir>/<name> "
+                                              "(default: the current folder)")
+    p.set_defaults(func=_cmd_new_plugin)
     p = sub.add_parser("eval", help="evaluate a checkpoint")
     p.add_argument("manifest")
     p.add_argument("overrides", nargs="*")
