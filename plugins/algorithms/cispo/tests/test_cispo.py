@@ -12,6 +12,9 @@ from rlmix_cispo import cispo_loss, is_weight
 import rlmix
 from rlmix import ops
 from rlmix.testing import ToyPolicy, make_batch, make_run
+from rlmix.testing.peers import completion_logprobs as _completion_logp
+from rlmix.testing.peers import pop_grads as _grads
+from rlmix.testing.peers import trl_grpo_trainer
 from rlmix.types import Minibatch, Normalizers, RolloutBatch
 
 # (ratio, advantage, logp, weight with the defaults: no lower bound, upper 1 + 4 = 5)
@@ -243,38 +246,7 @@ def test_parity_with_verl(mode, eps_low, eps_high):
 
 
 def _trl_trainer(tmp_path, max_completion_length, **config):
-    """A GRPOTrainer around tiny-random, on the CPU in float32, ready for ``_compute_loss``."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmix.policy import tiny_random
-
-    model, tok = tiny_random()
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                      loss_type="cispo", beta=0.0, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=max_completion_length, **config)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
-        completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2="]}),
-        processing_class=tok)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we skip
-    model.train()
-    return trainer, model
-
-
-def _completion_logp(model, inputs):
-    """Per-token log-probs of the completion under ``model`` at temperature 1, ``[n, width]``."""
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    logits = model(input_ids=ids, attention_mask=attn).logits
-    width = inputs["completion_ids"].shape[1]
-    logp = torch.log_softmax(logits[:, -width - 1:-1].float(), -1)
-    return logp.gather(-1, inputs["completion_ids"][..., None])[..., 0]
-
-
-def _grads(model):
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
+    return trl_grpo_trainer(tmp_path, "cispo", max_completion_length, **config)
 
 
 @pytest.mark.parity

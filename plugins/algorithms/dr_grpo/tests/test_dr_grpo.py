@@ -11,6 +11,10 @@ from rlmix_dr_grpo import centered_advantage, clipped_surrogate
 import rlmix
 from rlmix import ops
 from rlmix.testing import ToyPolicy, make_batch, make_run
+from rlmix.testing.peers import completion_logprobs as _completion_logp
+from rlmix.testing.peers import pop_grads as _grads
+from rlmix.testing.peers import trl_grpo_trainer as _trl_trainer
+from rlmix.testing.peers import trl_loss_inputs as _trl_inputs
 from rlmix.types import Minibatch, Normalizers
 
 # ---------------------------------------------------------------- centered_advantage
@@ -281,54 +285,6 @@ def test_parity_with_verl():
 
 
 # ---------------------------------------------------------------- parity with TRL
-
-
-def _trl_trainer(tmp_path, loss_type, max_completion_length, **config):
-    """A GRPOTrainer around tiny-random, on the CPU in float32, ready for ``_compute_loss``."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmix.policy import tiny_random
-
-    model, tok = tiny_random()
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                      loss_type=loss_type, beta=0.0, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=max_completion_length, **config)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
-        completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2="]}),
-        processing_class=tok)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we skip
-    model.train()
-    return trainer, model
-
-
-def _trl_inputs(seed=0, n=6, prompt_len=3, width=7):
-    g = torch.Generator().manual_seed(seed)
-    prompt_ids = torch.randint(3, 200, (n, prompt_len), generator=g)
-    prompt_mask = torch.ones(n, prompt_len, dtype=torch.long)
-    prompt_mask[0, 0] = 0  # one left-padded prompt
-    completion_ids = torch.randint(3, 200, (n, width), generator=g)
-    lengths = torch.tensor([7, 3, 1, 5, 2, 6])[:n]
-    completion_mask = (torch.arange(width)[None] < lengths[:, None]).long()
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids, "completion_mask": completion_mask,
-            "advantages": torch.randn(n, generator=g)}, g
-
-
-def _completion_logp(model, inputs):
-    """Per-token log-probs of the completion under ``model`` at temperature 1, ``[n, width]``."""
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    logits = model(input_ids=ids, attention_mask=attn).logits
-    width = inputs["completion_ids"].shape[1]
-    logp = torch.log_softmax(logits[:, -width - 1:-1].float(), -1)
-    return logp.gather(-1, inputs["completion_ids"][..., None])[..., 0]
-
-
-def _grads(model):
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 @pytest.mark.parity
