@@ -6,6 +6,7 @@ The public API a plugin needs: ``rlmix.hookimpl``, the types below, ``rlmix.ops`
 
 from rlmix.errors import ConfigError, ManifestError, PluginError, RlmixError
 from rlmix.hookspecs import hookimpl, hookspec
+from rlmix.manifest import check_choices
 from rlmix.types import (
     GenerationRequest,
     HarnessUpdate,
@@ -22,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "GenerationRequest", "HarnessUpdate", "LossTerms", "ManifestError",
     "Minibatch", "Normalizers", "PluginError", "Prompt", "RlmixError", "RolloutBatch", "Run",
-    "hookimpl", "hookspec", "__version__",
+    "check_choices", "hookimpl", "hookspec", "__version__",
 ]

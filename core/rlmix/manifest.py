@@ -88,6 +88,19 @@ class CoreConfig:
     harness: dict[str, str] = field(default_factory=dict)  # initial harness components
 
 
+def check_choices(settings: Any, **choices: tuple[str, ...] | list[str]) -> None:
+    """For a plugin's ``Settings.__post_init__``: each named field must be one of its choices.
+
+    ``check_choices(self, scale=("group", "batch", "none"))`` raises
+    ``ValueError("scale: 'grop' is not allowed; choose one of group, batch, none")``, which the
+    manifest reports at the key path ``<plugin>.scale``."""
+    for name, allowed in choices.items():
+        value = getattr(settings, name)
+        if value not in allowed:
+            raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
+                             f"{', '.join(allowed)}")
+
+
 CORE_KEYS = tuple(f.name for f in dataclasses.fields(CoreConfig))
 _CHOICES = {"policy.dtype": ("float32", "bfloat16", "float16"),
             "policy.autocast": ("none", "bfloat16", "float16"),

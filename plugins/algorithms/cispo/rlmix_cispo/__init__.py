@@ -24,11 +24,7 @@ class Settings:
     old_logp: str = "auto"  # what the ratio divides by: auto | behavior | detached
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
-                                     ("old_logp", self.old_logp, OLD_LOGP)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
         if self.eps_low < 0:
             raise ValueError(f"eps_low must be >= 0 (1 or more: no lower bound), got "
                              f"{self.eps_low}")

@@ -39,12 +39,7 @@ class Settings:
     loss_mode: str = "seq-mean-token-mean"
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("proximal", self.proximal, PROXIMAL),
-                                     ("cap_mode", self.cap_mode, CAP_MODES),
-                                     ("loss_mode", self.loss_mode, LOSS_MODES)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, proximal=PROXIMAL, cap_mode=CAP_MODES, loss_mode=LOSS_MODES)
         if not 0.0 <= self.ewma_decay < 1.0:
             raise ValueError("ewma_decay: must be in [0, 1)")
         if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:

@@ -26,11 +26,7 @@ class Settings:
     eps: float = 1e-6  # added to the scale before dividing
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("interval", self.interval, INTERVALS),
-                                     ("scale", self.scale, SCALES)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, interval=INTERVALS, scale=SCALES)
         if not 0.0 < self.min_fraction <= 1.0:
             raise ValueError("min_fraction: must be in (0, 1]")
         if self.eps < 0:

@@ -25,11 +25,7 @@ class Settings:
     old_logp: str = "auto"  # what the ratio divides by, grpo's rule (see README)
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
-                                     ("old_logp", self.old_logp, OLD_LOGP)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
         if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
             raise ValueError("eps_low must be in [0, 1) and eps_high >= 0")
 

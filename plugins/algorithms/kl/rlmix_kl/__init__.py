@@ -31,12 +31,9 @@ class Settings:
     policy_logp: str = "recompute"  # reward placement: the sampled policy's log-probs (see README)
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("estimator", self.estimator, ESTIMATORS),
-                                     ("placement", self.placement, PLACEMENTS),
-                                     ("policy_logp", self.policy_logp, POLICY_LOGP)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, estimator=ESTIMATORS,
+                            placement=PLACEMENTS,
+                            policy_logp=POLICY_LOGP)
         if self.beta < 0:
             raise ValueError("beta must be >= 0")
 

@@ -43,11 +43,7 @@ class Settings:
     critic_max_grad_norm: float = 1.0  # 0 = no clipping
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
-                                     ("old_logp", self.old_logp, OLD_LOGP)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")

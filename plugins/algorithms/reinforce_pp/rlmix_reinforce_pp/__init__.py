@@ -33,12 +33,9 @@ class Settings:
     policy_logp: str = "recompute"  # the sampled policy's log-probs for the KL (see README)
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("kl_estimator", self.kl_estimator, ESTIMATORS),
-                                     ("baseline", self.baseline, BASELINES),
-                                     ("policy_logp", self.policy_logp, POLICY_LOGP)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, kl_estimator=ESTIMATORS,
+                            baseline=BASELINES,
+                            policy_logp=POLICY_LOGP)
         if self.beta < 0:
             raise ValueError("beta must be >= 0")
         if not 0 <= self.gamma <= 1:

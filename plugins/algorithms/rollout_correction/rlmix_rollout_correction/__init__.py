@@ -41,10 +41,7 @@ class Settings:
     kl_scale: float = 1.0e-3  # ais: divergence severity = 1 - exp(-kl / kl_scale)
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("mode", self.mode, MODES), ("level", self.level, LEVELS)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, mode=MODES, level=LEVELS)
         if self.cap < 1.0:
             raise ValueError("cap must be >= 1")
         if not 0.0 <= self.lower < self.cap:

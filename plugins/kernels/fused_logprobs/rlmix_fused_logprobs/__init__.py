@@ -33,11 +33,7 @@ class Settings:
     fp32_precision: str = "ieee"  # Triton fp32 dots: ieee (exact) | tf32 (tensor cores)
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("backend", self.backend, BACKENDS),
-                                     ("fp32_precision", self.fp32_precision, PRECISIONS)):
-            if value not in choices:
-                raise ValueError(f"{name}: {value!r} is not allowed; choose one of "
-                                 f"{', '.join(choices)}")
+        rlmix.check_choices(self, backend=BACKENDS, fp32_precision=PRECISIONS)
         if self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         if self.vocab_chunk_size < 0:
