@@ -14,23 +14,31 @@ from typing import Any
 import torch
 
 
-def trl_grpo_trainer(tmp_path: Path, loss_type: str, max_completion_length: int,
+def trl_grpo_trainer(tmp_path: Path | None, loss_type: str, max_completion_length: int,
                      **config: Any) -> tuple[Any, Any]:
     """``(trainer, model)``: a ``GRPOTrainer`` around ``tiny-random`` on the CPU in float32,
-    ready for ``trainer._compute_loss(model, inputs)``. ``config`` goes to ``GRPOConfig``."""
+    ready for ``trainer._compute_loss(model, inputs)``. ``config`` goes to ``GRPOConfig`` and
+    overrides the defaults here (batch of 4, 4 generations, ``beta=0``); ``tmp_path`` ``None``
+    writes the trainer's output folder to a fresh temporary folder."""
+    import tempfile
+
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from rlmix.policy import tiny_random
 
     model, tok = tiny_random()
+    output_dir = str(tmp_path) if tmp_path is not None else tempfile.mkdtemp(prefix="rlmix-trl-")
     # bf16=False: TRL autocasts to bf16 on the CPU by default, which moves log-probs by ~1e-3
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                      loss_type=loss_type, beta=0.0, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=max_completion_length, **config)
+    options: dict[str, Any] = {
+        "output_dir": output_dir, "use_cpu": True, "bf16": False, "report_to": "none",
+        "save_strategy": "no", "loss_type": loss_type, "beta": 0.0,
+        "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": max_completion_length}
+    options.update(config)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(
-        completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2="]}),
-        processing_class=tok)
+        completions), args=GRPOConfig(**options),
+        train_dataset=Dataset.from_dict({"prompt": ["1+1=", "2+2="]}), processing_class=tok)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we skip
     model.train()
     return trainer, model

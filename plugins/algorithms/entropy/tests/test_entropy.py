@@ -207,12 +207,8 @@ def test_parity_with_verl_entropy_term(mode):
 @pytest.mark.parity
 def test_parity_with_trl_grpo_entropy_bonus():
     pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    import tempfile
-
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmix.policy import tiny_random
+    pytest.importorskip("datasets")
+    from rlmix.testing.peers import trl_grpo_trainer
 
     coef = 0.02
     g = torch.Generator().manual_seed(5)
@@ -220,24 +216,16 @@ def test_parity_with_trl_grpo_entropy_bonus():
     mask = (torch.arange(t)[None] < torch.tensor([7, 1, 4, 2, 7, 5])[:, None]).float()
     entropy = 3 * torch.rand(n, t, generator=g)
     logp = -torch.rand(n, t, generator=g)
-    model, tok = tiny_random()
     # bnpo is TRL's token-mean policy loss; TRL applies the entropy bonus as a token mean over
     # the completion mask for every loss type
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlmix-trl-"), use_cpu=True,
-                      report_to="none", save_strategy="no", num_generations=2,
-                      per_device_train_batch_size=2, max_completion_length=4, beta=0.0,
-                      loss_type="bnpo", entropy_coef=coef)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(
-        completions), args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["ab"]}),
-        processing_class=tok)
+    trainer, _ = trl_grpo_trainer(None, "bnpo", 4, num_generations=2,
+                                  per_device_train_batch_size=2, entropy_coef=coef)
     theirs_entropy = entropy.clone().requires_grad_(True)
 
     def fixed(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         return logp, theirs_entropy, None  # the harness replaces only the model forward
 
     trainer._get_per_token_logps_and_entropies = types.MethodType(fixed, trainer)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
     inputs = {"prompt_ids": torch.zeros(n, 2, dtype=torch.long),
               "prompt_mask": torch.ones(n, 2, dtype=torch.long),
               "completion_ids": torch.zeros(n, t, dtype=torch.long),

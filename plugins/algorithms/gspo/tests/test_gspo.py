@@ -367,31 +367,14 @@ def test_parity_with_verl_compute_policy_loss_gspo(mode):
     assert 0 < metrics["actor/pg_clipfrac"] < 1
 
 
-def _trl_grpo_trainer(**config):
-    """GRPOTrainer around the in-process tiny-random model, on the CPU, logging nowhere."""
-    import tempfile
-
-    import datasets
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmix.policy import tiny_random
-
-    model, tok = tiny_random()
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlmix-trl-"), use_cpu=True,
-                      report_to="none", save_strategy="no", num_generations=4,
-                      per_device_train_batch_size=4, max_completion_length=4, beta=0.0,
-                      **config)
-    return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(
-        completions), args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["ab"]}),
-        processing_class=tok)
-
-
 @pytest.mark.parity
 def test_parity_with_trl_grpo_trainer_sequence_importance_sampling():
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    trainer = _trl_grpo_trainer(importance_sampling_level="sequence", loss_type="grpo",
-                                epsilon=0.1, epsilon_high=0.15)
+    from rlmix.testing.peers import trl_grpo_trainer
+
+    trainer, _ = trl_grpo_trainer(None, "grpo", 4, importance_sampling_level="sequence",
+                                  epsilon=0.1, epsilon_high=0.15)
     logp, old, adv, mask = _parity_inputs()
     n, t = logp.shape
     theirs_logp = logp.clone().requires_grad_(True)
@@ -401,8 +384,6 @@ def test_parity_with_trl_grpo_trainer_sequence_importance_sampling():
         return theirs_logp, torch.zeros_like(theirs_logp), None
 
     trainer._get_per_token_logps_and_entropies = types.MethodType(fixed_logps, trainer)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
     inputs = {"prompt_ids": torch.zeros(n, 2, dtype=torch.long),
               "prompt_mask": torch.ones(n, 2, dtype=torch.long),
               "completion_ids": torch.zeros(n, t, dtype=torch.long),

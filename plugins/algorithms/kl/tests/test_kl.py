@@ -299,25 +299,15 @@ def test_parity_with_verl_kl_in_reward():
 @pytest.mark.parity
 def test_parity_with_trl_grpo_kl_term_in_the_loss():
     pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    import tempfile
-
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rlmix.policy import tiny_random
+    pytest.importorskip("datasets")
+    from rlmix.testing.peers import trl_grpo_trainer
 
     beta = 0.3
     logp, ref = _parity_logps(seed=2, spread=0.5)
     n, t = logp.shape
     mask = (torch.arange(t)[None] < torch.tensor([10, 3, 7, 1, 10, 5])[:, None]).float()
-    model, tok = tiny_random()
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="rlmix-trl-"), use_cpu=True,
-                      report_to="none", save_strategy="no", num_generations=2,
-                      per_device_train_batch_size=2, max_completion_length=4, beta=0.0,
-                      loss_type="grpo", use_bias_correction_kl=False)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(
-        completions), args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["ab"]}),
-        processing_class=tok)
+    trainer, _ = trl_grpo_trainer(None, "grpo", 4, num_generations=2,
+                                  per_device_train_batch_size=2, use_bias_correction_kl=False)
     # built with beta 0 (a beta > 0 makes TRL load a reference from the model's hub id, which an
     # in-process model has not); the loss code reads self.beta and the reference log-probs we pass
     trainer.beta = beta
@@ -327,8 +317,6 @@ def test_parity_with_trl_grpo_kl_term_in_the_loss():
         return theirs_logp, torch.zeros_like(theirs_logp), None  # TRL's loss code on our inputs
 
     trainer._get_per_token_logps_and_entropies = types.MethodType(fixed_logps, trainer)
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
     inputs = {"prompt_ids": torch.zeros(n, 2, dtype=torch.long),
               "prompt_mask": torch.ones(n, 2, dtype=torch.long),
               "completion_ids": torch.zeros(n, t, dtype=torch.long),
