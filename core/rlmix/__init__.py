@@ -8,6 +8,7 @@ from rlmix.errors import ConfigError, ManifestError, PluginError, RlmixError
 from rlmix.hookspecs import hookimpl, hookspec
 from rlmix.manifest import check_choices
 from rlmix.types import (
+    Episode,
     GenerationRequest,
     HarnessUpdate,
     LossTerms,
@@ -16,12 +17,13 @@ from rlmix.types import (
     Prompt,
     RolloutBatch,
     Run,
+    StepResult,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "GenerationRequest", "HarnessUpdate", "LossTerms", "ManifestError",
+    "ConfigError", "Episode", "GenerationRequest", "HarnessUpdate", "LossTerms", "ManifestError",
     "Minibatch", "Normalizers", "PluginError", "Prompt", "RlmixError", "RolloutBatch", "Run",
-    "check_choices", "hookimpl", "hookspec", "__version__",
+    "StepResult", "check_choices", "hookimpl", "hookspec", "__version__",
 ]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from rlmix.types import (
+        Episode,
         GenerationRequest,
         HarnessUpdate,
         LossTerms,
@@ -63,6 +64,7 @@ FIRSTRESULT_HOOKS = (
     "rlmix_clip",
     "rlmix_update",
     "rlmix_token_logprobs",
+    "rlmix_episode",
 )
 
 
@@ -93,8 +95,11 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch | None:
     """Turn prompts into a ``RolloutBatch`` of ``len(prompts) * train.group_size`` samples.
 
     The core's default (``trylast``) asks ``rlmix_generate`` for ``train.group_size``
-    completions per prompt with the manifest's ``sampling`` settings. Rollout schedules
-    (over-sampling filters, partial rollouts) implement this hook as a *wrapper*. The batch must
+    completions per prompt with the manifest's ``sampling`` settings. Rollout schedules that
+    filter or over-sample (DAPO's dynamic sampling) implement this hook as a *wrapper*; one that
+    decides how generation itself runs (``partial``) owns it. With ``train.max_staleness > 0``
+    this hook, and everything it calls, runs in the background sampler thread on the worker's
+    copy of the run (its own weights, step and policy version). The batch must
     carry ``tokens``, ``attention_mask``, ``completion_mask``, ``behavior_logp`` (the sampling
     distribution's log-probs, with the sampling temperature applied), ``policy_version`` (the
     version that generated each sample), ``group``, ``texts`` and ``prompts``.
@@ -205,4 +210,28 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
 
     For logging, checkpointing and step-based schedules. The core's own logger and
     checkpointer are plugins on this hook too.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_episode(run: Run, prompt: Prompt) -> Episode | None:
+    """Return a fresh multi-turn ``Episode`` for one sample of ``prompt``, or ``None``.
+
+    Implemented by env plugins whose tasks take several turns (tool use, games, dialogue).
+    A rollout engine that supports multi-turn (``hf``) calls it once per *sample* (``n`` times
+    per prompt, so every sample gets its own episode state) before generating. ``None`` (the
+    answer for any prompt that is not yours: check ``prompt.info`` or ``prompt.id``) means an
+    ordinary single-turn completion. The engine then drives the episode: it templates
+    ``episode.reset()`` as the prompt, generates until EOS or one of ``episode.stop_strings``,
+    calls ``episode.step(text)`` with the turn's text, appends the returned messages (tool
+    results) to the context with the chat template, and generates again, until ``done``, the
+    engine's turn limit or its token budget. Everything after the prompt is the completion
+    region of one row: ``completion_mask`` is 1 only on model-generated tokens, so env-inserted
+    tokens are masked out of the loss. ``batch.info[i]["episode"]`` records the episode:
+    ``turns`` (per model turn: ``assistant`` text, ``end`` = ``eos`` | ``stop`` | ``budget``,
+    the env's ``messages`` and ``info``), ``stop_reason`` (``done``, ``max_turns``,
+    ``max_new_tokens``, ``max_episode_tokens``), ``model_tokens``, ``env_tokens`` and
+    ``model_text`` (the model's turns only: score from it, so a tool's output can never supply
+    an answer). See ``rlmix.types.Episode`` for the protocol. Engines without multi-turn
+    support ignore this hook (scorers then see a plain single-turn completion).
     """

@@ -1,11 +1,13 @@
 """The event loop of DESIGN §2, and building a ``Run`` from a manifest.
 
-Sampling sits behind ``Run.sample`` (one call): the seam where an asynchronous sampler with
-bounded staleness plugs in later. Nothing here knows about any method.
+Sampling sits behind ``Run.sample`` (one call): with ``train.max_staleness > 0`` a background
+worker (``rlmix.async_sampling``) samples ahead of the trainer, with bounded staleness. Nothing
+here knows about any method.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -14,9 +16,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlmix import checkpoint, manifest, observe, ops
+from rlmix import async_sampling, checkpoint, manifest, observe, ops
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError, PluginError
+from rlmix.hookspecs import REQUIRED_HOOKS
 from rlmix.policy import Policy, load_model
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
@@ -28,6 +31,9 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
 
     Everything here happens before any model loads, so manifest mistakes fail fast."""
     core = manifest.validate_core(cfg)
+    if core.train.max_staleness < 0:
+        raise ManifestError("manifest error at 'train.max_staleness': must be >= 0 (0 = "
+                            f"synchronous sampling), got {core.train.max_staleness}")
     if core.sampling.temperature <= 0:
         raise ManifestError("manifest error at 'sampling.temperature': training samples need a "
                             "temperature > 0 (evaluation is greedy on its own)")
@@ -36,6 +42,10 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
     resolved = manifest.resolved(cfg, core, settings)
     pm = plugin_loading.new_plugin_manager()
     plugin_loading.register(pm, loaded)
+    if core.train.mode == "harness-only" and required is None:
+        # no weight updates: nothing needs advantages or a policy loss
+        required = {k: v for k, v in REQUIRED_HOOKS.items()
+                    if k not in ("rlmix_advantage", "rlmix_clip")}
     plugin_loading.check_required(pm, required)
     out_dir = Path(core.out or Path("runs") / core.name)
     run = Run(config=resolved, pm=pm, settings_by_plugin=settings, out_dir=out_dir,
@@ -143,7 +153,10 @@ def apply_harness_update(run: Run, update: HarnessUpdate) -> None:
               "evidence": update.evidence, "components": dict(run.harness)}
     import json
 
-    (folder / f"v{run.harness_version:04d}.json").write_text(json.dumps(record, indent=1))
+    path = folder / f"v{run.harness_version:04d}.json"
+    tmp = path.with_suffix(".json.tmp")  # written whole, then renamed: a crash leaves no half file
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -167,21 +180,26 @@ def train_step(run: Run) -> dict[str, Any]:
     assert run.policy is not None
     t0 = time.perf_counter()
     hook = run.hook
-    prompts = hook.rlmix_prompts(run=run, step=run.step)
-    if not prompts:
+    asynchronous = run.async_sampler is not None  # then the worker asked for the prompts
+    prompts = [] if asynchronous else hook.rlmix_prompts(run=run, step=run.step)
+    if not prompts and not asynchronous:
         raise RuntimeError("rlmix_prompts returned no prompts")
     run.policy.model.eval()
     with torch.no_grad():
         batch = run.sample(prompts)
     t_sample = time.perf_counter()
+    staleness = async_sampling.staleness_metrics(run.policy_version, batch)
     score(run, batch)
-    advantages = hook.rlmix_advantage(run=run, batch=batch)
+    # harness-only: no advantage, no log-prob forward, no backward; the step only evolves
+    harness_only = str(run.config.train.mode) == "harness-only"
+    advantages = (torch.zeros(len(batch)) if harness_only
+                  else hook.rlmix_advantage(run=run, batch=batch))
     if advantages is None:
         raise RuntimeError("no plugin returned advantages from rlmix_advantage")
     batch.advantages = advantages
     run.policy.model.train()
     losses, update_stats, loss_metrics = [], {}, {}
-    for mb in run.minibatches(batch):
+    for mb in ([] if harness_only else run.minibatches(batch)):
         logp, entropy = run.policy.logprobs(run, mb.batch)
         terms = hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
         if terms is None:
@@ -190,12 +208,14 @@ def train_step(run: Run) -> dict[str, Any]:
         if terms.extra is not None:
             value = value + terms.extra
         terms.value, terms.minibatch = value, mb
-        update_stats.update(hook.rlmix_update(run=run, loss=terms) or {})
+        with async_sampling.weights_guard(run):  # the async worker never copies mid-update
+            update_stats.update(hook.rlmix_update(run=run, loss=terms) or {})
         losses.append(float(value.detach()))
         for k, v in terms.metrics.items():
             loss_metrics.setdefault(k, []).append(float(v))
     t_train = time.perf_counter()
-    for update in hook.rlmix_evolve(run=run, batch=batch):
+    evolve_now = (run.step + 1) % max(1, int(run.config.train.evolve_every)) == 0
+    for update in (hook.rlmix_evolve(run=run, batch=batch) if evolve_now else []):
         if update is not None:
             apply_harness_update(run, update)
     run.step += 1
@@ -211,6 +231,8 @@ def train_step(run: Run) -> dict[str, Any]:
         "response_length/mean": float(comp.sum(-1).float().mean()),
         "time/sample_s": t_sample - t0,
         "time/train_s": t_train - t_sample,
+        **staleness,
+        "time/evolve_s": time.perf_counter() - t_train,
         **{k: sum(v) / len(v) for k, v in loss_metrics.items()},
         **update_stats,
     }
@@ -230,6 +252,17 @@ def log_owner_table(run: Run) -> str:
     return table
 
 
+def _checkpoint_pause(run: Run) -> Any:
+    """On a step the core checkpointer saves, hold the async worker between generation calls
+    so the plugin state it touches is pickled consistently; otherwise nothing."""
+    sampler = run.async_sampler
+    every = int(run.config.train.checkpoint_every)
+    saving = run.step >= int(run.config.train.steps) or (every > 0 and run.step % every == 0)
+    if sampler is None or not saving:
+        return contextlib.nullcontext()
+    return sampler.paused()
+
+
 def train(run: Run) -> dict[str, Any]:
     """Run ``train.steps`` steps (from ``run.step``), evaluating at the start, every
     ``train.eval_every`` steps and at the end. Returns the last step's metrics."""
@@ -239,7 +272,11 @@ def train(run: Run) -> dict[str, Any]:
     steps = int(run.config.train.steps)
     eval_every = int(run.config.train.eval_every)
     last: dict[str, Any] = {}
+    k = int(run.config.train.max_staleness)
+    own_sampler = k > 0 and run.async_sampler is None and run.step < steps
     try:
+        if own_sampler:
+            async_sampling.start(run, k)
         if run.step == 0:
             start = evaluate(run)
             if start:
@@ -249,8 +286,13 @@ def train(run: Run) -> dict[str, Any]:
             metrics = train_step(run)
             if run.step == steps or (eval_every > 0 and run.step % eval_every == 0):
                 metrics.update(evaluate(run))
-            run.hook.rlmix_step_end(run=run, metrics=metrics)
+            with _checkpoint_pause(run):
+                run.hook.rlmix_step_end(run=run, metrics=metrics)
             last = metrics
     finally:
-        _observer(run).close(run)
+        try:
+            if own_sampler:
+                async_sampling.stop(run)  # joins the worker, also on an exception or Ctrl-C
+        finally:
+            _observer(run).close(run)
     return last

@@ -38,10 +38,13 @@ class TrainConfig:
     shuffle: bool = True
     loss_norm_constant: float = 0.0  # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
     seed: int = 0
-    max_staleness: int = 0  # async sampling (later); 0 = synchronous
+    # policy versions a sample may lag the trainer; > 0 samples ahead in a background thread
+    max_staleness: int = 0  # 0 = synchronous
     eval_every: int = 10  # 0 = only at start and end
     checkpoint_every: int = 10  # 0 = only at the end
     keep_checkpoints: int = 2
+    mode: str = "rl"  # rl | harness-only (no weight updates: each step evolves the harness)
+    evolve_every: int = 1  # call rlmix_evolve every this many steps
 
 
 @dataclass
@@ -104,7 +107,8 @@ def check_choices(settings: Any, **choices: tuple[str, ...] | list[str]) -> None
 CORE_KEYS = tuple(f.name for f in dataclasses.fields(CoreConfig))
 _CHOICES = {"policy.dtype": ("float32", "bfloat16", "float16"),
             "policy.autocast": ("none", "bfloat16", "float16"),
-            "policy.device": ("auto", "cpu", "cuda")}
+            "policy.device": ("auto", "cpu", "cuda"),
+            "train.mode": ("rl", "harness-only")}
 
 
 def read(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
@@ -207,6 +211,9 @@ def validate_core(cfg: DictConfig) -> CoreConfig:
         if value not in choices:
             raise ManifestError(f"manifest error at '{path}': {value!r} is not allowed; "
                                 f"choose one of {', '.join(choices)}")
+    if core.train.evolve_every < 1:
+        raise ManifestError("manifest error at 'train.evolve_every': must be >= 1, got "
+                            f"{core.train.evolve_every}")
     if not core.plugins:
         raise ManifestError("manifest error at 'plugins': no plugins listed; a training run "
                             "needs at least a rollout engine, an env and an algorithm, for "

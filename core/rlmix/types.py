@@ -144,7 +144,14 @@ class RolloutBatch:
             out["advantages"] = (torch.cat([pad(a, 0) for a in advs]) if advs[0].dim() == 2
                                  else torch.cat(advs))  # type: ignore[arg-type]
         keys = set.intersection(*(set(b.extras) for b in batches))
-        out["extras"] = {k: torch.cat([b.extras[k] for b in batches]) for k in keys}
+
+        def pad_extra(t: torch.Tensor, b: RolloutBatch) -> torch.Tensor:
+            # per-token extras (aligned with tokens) are left-padded like the tokens
+            aligned = t.dim() >= 2 and t.shape[1] == b.tokens.shape[1]
+            return pad(t, 0) if aligned else t
+
+        out["extras"] = {k: torch.cat([pad_extra(b.extras[k], b) for b in batches])
+                         for k in keys}
         return RolloutBatch(**out)
 
     def token_advantages(self) -> torch.Tensor:
@@ -226,6 +233,8 @@ class Run:
     logger: Any = None
     optimizer: torch.optim.Optimizer | None = None
     plugin_names: list[str] = field(default_factory=list)
+    # the background sampler of async mode (rlmix.async_sampling), set by the loop; core-internal
+    async_sampler: Any = None
 
     @property
     def hook(self) -> Any:
@@ -245,7 +254,13 @@ class Run:
                            ) from None
 
     def sample(self, prompts: list[Prompt]) -> RolloutBatch:
-        """Sampling behind one call: the seam an asynchronous sampler replaces."""
+        """Sampling behind one call, the seam of asynchronous sampling. Synchronously, the
+        ``rlmix_sample`` owner (with its wrappers) samples ``prompts``. With an async sampler
+        attached (``train.max_staleness > 0``), the batch of step ``self.step`` that the
+        background worker sampled from the prompts it got from ``rlmix_prompts`` itself
+        (``prompts`` is then ignored)."""
+        if self.async_sampler is not None:
+            return self.async_sampler.take(self)[1]
         batch = self.hook.rlmix_sample(run=self, prompts=prompts)
         if batch is None:
             raise RuntimeError("no plugin returned a batch from rlmix_sample")
@@ -285,3 +300,62 @@ class Run:
                 for i, rows in enumerate(parts):
                     yield Minibatch(batch=batch.select(rows), normalizers=normalizers,
                                     epoch=epoch, index=u * chunks + i, last=i == len(parts) - 1)
+
+
+@dataclass
+class StepResult:
+    """What ``Episode.step`` returns after one model turn.
+
+    ``messages``: chat messages to append to the conversation before the model's next turn,
+    usually one ``{"role": "tool", "content": "<the tool's output or error>"}``; the rollout
+    engine renders them with the tokenizer's chat template and masks their tokens out of the
+    loss. ``done``: the episode is over (an answer was given, or the env gives up); the engine
+    then appends nothing. ``info``: anything worth keeping about this turn (the tool call, its
+    result, an error); the engine records it per turn in ``batch.info[i]["episode"]``."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Episode:
+    """One multi-turn interaction between the policy and an environment (the env interface).
+
+    An env plugin returns a fresh instance per sample from ``rlmix_episode(run, prompt)``;
+    a multi-turn rollout engine (``hf``) drives it::
+
+        messages = episode.reset()                  # the opening chat (usually prompt.messages)
+        while True:
+            text = <the model's turn, generated until EOS or any of episode.stop_strings>
+            result = episode.step(text)             # run the tool, check the answer, ...
+            if result.done or <turn limit or token budget reached>:
+                break
+            <append result.messages to the context with the chat template>
+
+    Contract for implementers:
+
+    * ``reset()`` is called exactly once, before the first turn, and returns the opening
+      messages (``[{"role": ..., "content": ...}]``). The engine templates them with
+      ``add_generation_prompt`` exactly as a single-turn prompt.
+    * ``step(assistant_text)`` is called after every complete model turn, with that turn's
+      decoded text (special tokens dropped). A turn cut short by the engine's token budget is
+      not passed to ``step``. ``step`` must not raise on malformed model output: return the
+      error as a message (the model may recover) and record it in ``info``.
+    * ``stop_strings`` end a model turn early (e.g. ``("</tool>",)``) besides EOS. The turn
+      keeps the whole token that completed the string, so text after it in that token is kept.
+    * Keep ``step`` cheap or bounded (timeouts): the engine waits for it between turns.
+
+    The engine, not the episode, owns the tokens: what the model generated stays token for
+    token in the row, env messages are tokenised from the chat template's rendering and
+    inserted between turns, so the trainer's forward sees exactly what the sampler saw."""
+
+    #: strings that end a model turn besides the tokenizer's EOS
+    stop_strings: tuple[str, ...] = ()
+
+    def reset(self) -> list[dict[str, str]]:
+        """The opening messages of the conversation."""
+        raise NotImplementedError
+
+    def step(self, assistant_text: str) -> StepResult:
+        """React to one model turn: the messages to append, whether the episode is over, info."""
+        raise NotImplementedError

@@ -240,8 +240,8 @@ def plugin_section(info: Any) -> list[str]:
 
 #: the order hooks are called in one training step (DESIGN §2), then the rest
 HOOK_ORDER = ("rlmix_configure", "rlmix_prompts", "rlmix_sample", "rlmix_generate",
-              "rlmix_score", "rlmix_advantage", "rlmix_token_logprobs", "rlmix_clip",
-              "rlmix_update", "rlmix_evolve", "rlmix_evaluate", "rlmix_step_end")
+              "rlmix_episode", "rlmix_score", "rlmix_advantage", "rlmix_token_logprobs",
+              "rlmix_clip", "rlmix_update", "rlmix_evolve", "rlmix_evaluate", "rlmix_step_end")
 
 
 def hooks_markdown() -> str:
@@ -297,6 +297,7 @@ _WHEN = {
     "rlmix_prompts": "each step, first",
     "rlmix_sample": "each step, via `Run.sample`",
     "rlmix_generate": "by the default `rlmix_sample`, evaluation, `Run.generate`",
+    "rlmix_episode": "by multi-turn rollout engines (`hf`), once per sample before generating",
     "rlmix_score": "each step, after sampling",
     "rlmix_advantage": "each step, after scoring",
     "rlmix_token_logprobs": "each minibatch forward (`Policy.logprobs`)",

@@ -89,9 +89,12 @@ def loglinear_proximal(logp: torch.Tensor, behavior_logp: torch.Tensor,
                        staleness: torch.Tensor) -> torch.Tensor:
     """A-3PO / AReaL ``loglinear``: ``behav + alpha (logp - behav)`` (detached) with
     ``alpha = d / (d + 1)`` per row, ``d`` the row's staleness in policy versions: the point
-    one version short of the current policy on the line from the behaviour policy."""
+    one version short of the current policy on the line from the behaviour policy.
+    ``staleness`` may also be ``[n, T]`` (per token, for samples continued across versions)."""
     d = staleness.clamp(min=0).to(logp.dtype)
-    alpha = (d / (d + 1))[:, None]
+    alpha = d / (d + 1)
+    if alpha.dim() == 1:
+        alpha = alpha[:, None]
     return (behavior_logp + alpha * (logp.detach() - behavior_logp)).detach()
 
 
@@ -136,7 +139,9 @@ def proximal_logp(run: Run, mb: Minibatch, logp: torch.Tensor) -> torch.Tensor:
     batch = mb.batch
     behavior = batch.behavior_logp.to(logp.device)
     if s.proximal == "loglinear":
-        staleness = run.policy_version - batch.policy_version.to(logp.device)
+        # per token when a sample was continued across versions (partial rollouts)
+        versions = batch.extras.get("token_version", batch.policy_version)
+        staleness = run.policy_version - versions.to(logp.device)
         return loglinear_proximal(logp, behavior, staleness)
     if s.proximal == "recompute":
         prox = batch.extras.get(PROX_LOGP)

@@ -1,0 +1,201 @@
+"""rlmix's GEPA plugin against the PyPI ``gepa`` package (0.1.4), in one run, on the same task,
+the same model and the same metric-call budget.
+
+    python bench/harness.py                       # SmolLM2-135M, budget 60, 40 held-out tasks
+    python bench/harness.py --model tiny-random --budget 20 --heldout 8    # a smoke run
+
+Task: arith (two-digit addition and subtraction) from the harness-only GEPA manifest,
+evolving the ``instructions`` component from a deliberately weak seed. Both optimizers use:
+
+* the same tasks: rlmix's task pool split into search (the package's ``trainset``), selection
+  (its ``valset``) and held-out tasks that neither optimizer sees;
+* the same task model and rollouts: SmolLM2-135M-Instruct in-process, greedy, through rlmix's
+  ``run.generate`` and the arith scorer (``arith.correct`` is the metric), so one metric call
+  is one scored rollout of one task for both;
+* the same reflection model: the same SmolLM2 in-process (``rlmix.lm.PolicyLM``), with the
+  same token limit and temperature; the package calls it through its default proposal prompt,
+  rlmix through its own;
+* the same traces: input, output, score, reward terms and the env's feedback;
+* the same budget in metric calls (both check it before starting an iteration, so both may
+  overshoot by one iteration; the table reports the calls actually made).
+
+Held-out accuracy is measured for the seed and for each optimizer's best candidate on the
+held-out tasks (these rollouts are not counted against either budget). Requires
+``pip install gepa==0.1.4`` (not needed by the test suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "examples" / "harness" / "gepa-arith.yaml"
+SEED_INSTRUCTIONS = "Answer the question."
+
+
+def build(args: argparse.Namespace, out: Path) -> Any:
+    from rlmix import loop, manifest
+
+    cfg = manifest.read(MANIFEST, [
+        f"model={args.model}", "plugins=[hf,arith,grpo,gepa]", f"out={out}",
+        "log.progress=false", f"harness.instructions={SEED_INSTRUCTIONS}",
+        f"gepa.budget={args.budget}", f"gepa.search_size={args.search}",
+        f"gepa.selection_size={args.selection}", f"gepa.heldout_size={args.heldout}",
+        f"gepa.minibatch_size={args.minibatch}", f"gepa.max_new_tokens={args.max_new_tokens}",
+        f"gepa.lm.max_new_tokens={args.reflect_tokens}",
+        f"gepa.lm.temperature={args.reflect_temperature}", f"gepa.seed={args.seed}",
+        f"train.prompts_per_step={args.per_step}", f"policy.threads={args.threads}"])
+    del cfg["gates"]  # the package has no flip gate: compare the searches alone
+    return loop.build_run(cfg)
+
+
+def run_rlmix(run: Any) -> dict[str, Any]:
+    import rlmix_gepa
+
+    from rlmix import loop
+
+    t0 = time.perf_counter()
+    state = rlmix_gepa.init_state(run)
+    print(f"  rlmix seed: selection {sum(state['scores'][0]) / len(state['scores'][0]):.3f}, "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    while state["metric_calls"] < run.settings("gepa").budget:
+        update = rlmix_gepa.iterate(run)
+        if update is not None:
+            loop.apply_harness_update(run, update)
+        h = state["history"][-1]
+        print(f"  rlmix iteration {h['iteration']} ({h['kind']}): accepted "
+              f"{h.get('accepted')}, {h['metric_calls']} calls, {time.perf_counter() - t0:.0f} s,"
+              f" proposal {str(h.get('proposal', ''))[:80]!r}", flush=True)
+    best = state["candidates"][state["applied"]]
+    return {"best": best, "calls": state["metric_calls"], "seconds": time.perf_counter() - t0,
+            "candidates": len(state["candidates"]),
+            "accepted": sum(1 for h in state["history"] if h.get("accepted")),
+            "iterations": state["iteration"]}
+
+
+class ArithAdapter:
+    """The package's adapter over the same rollouts and scorer."""
+
+    propose_new_texts = None  # use the package's own reflective proposal
+
+    def __init__(self, run: Any, feedback_chars: int) -> None:
+        self.run, self.feedback_chars = run, feedback_chars
+        self.calls = 0
+
+    def evaluate(self, batch: list[Any], candidate: dict[str, str],
+                 capture_traces: bool = False) -> Any:
+        import rlmix_gepa
+        from gepa.core.adapter import EvaluationBatch
+
+        tasks = [(int(a), int(b)) for a, b in batch]
+        scores, scored = rlmix_gepa.run_tasks(self.run, candidate, tasks)
+        self.calls += len(tasks)
+        traces = rlmix_gepa.traces(scored, scores, self.feedback_chars)
+        return EvaluationBatch(outputs=list(scored.texts), scores=scores,
+                               trajectories=traces if capture_traces else None)
+
+    def make_reflective_dataset(self, candidate: dict[str, str], eval_batch: Any,
+                                components_to_update: list[str]) -> dict[str, list[dict]]:
+        rows = [{"Inputs": t["input"], "Generated Outputs": t["output"],
+                 "Feedback": f"score {t['score']:g} ({t['terms']}); {t['feedback']}"}
+                for t in eval_batch.trajectories]
+        return {c: rows for c in components_to_update}
+
+
+def run_package(run: Any, seed: dict[str, str], search: list, selection: list,
+                args: argparse.Namespace) -> dict[str, Any]:
+    import gepa
+
+    from rlmix.lm import PolicyLM
+
+    lm = PolicyLM(run)
+
+    def reflection_lm(prompt: str) -> str:
+        return lm.complete(prompt, args.reflect_tokens, args.reflect_temperature)
+
+    adapter = ArithAdapter(run, run.settings("gepa").feedback_chars)
+    t0 = time.perf_counter()
+    result = gepa.optimize(
+        seed_candidate=dict(seed), trainset=[tuple(t) for t in search],
+        valset=[tuple(t) for t in selection], adapter=adapter, reflection_lm=reflection_lm,
+        reflection_minibatch_size=args.minibatch, max_metric_calls=args.budget,
+        use_merge=True, max_merge_invocations=5, seed=args.seed, display_progress_bar=False,
+        raise_on_exception=True)
+    return {"best": dict(result.best_candidate), "calls": adapter.calls,
+            "reported_calls": result.total_metric_calls, "seconds": time.perf_counter() - t0,
+            "candidates": len(result.candidates)}
+
+
+def heldout_accuracy(run: Any, candidate: dict[str, str], tasks: list) -> float:
+    import rlmix_gepa
+
+    scores, _ = rlmix_gepa.run_tasks(run, candidate, [tuple(t) for t in tasks])
+    return sum(scores) / len(scores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--search", type=int, default=12)
+    p.add_argument("--selection", type=int, default=8)
+    p.add_argument("--heldout", type=int, default=40)
+    p.add_argument("--minibatch", type=int, default=3)
+    p.add_argument("--per-step", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--reflect-tokens", type=int, default=96)
+    p.add_argument("--reflect-temperature", type=float, default=0.7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench-harness")
+    p.add_argument("--json", default="", help="also write the results here")
+    args = p.parse_args(argv)
+    random.seed(args.seed)
+
+    t0 = time.perf_counter()
+    run = build(args, Path(args.out))
+    print(f"model {args.model} loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    import rlmix_gepa
+
+    seed = {"instructions": SEED_INSTRUCTIONS}
+    ours = run_rlmix(run)
+    print(f"rlmix gepa: {ours['calls']} calls, {ours['seconds']:.0f} s, best {ours['best']}",
+          flush=True)
+    tasks = run.state["gepa"]["tasks"]
+    theirs = run_package(run, seed, tasks["search"], tasks["selection"], args)
+    print(f"gepa package: {theirs['calls']} calls, {theirs['seconds']:.0f} s, best "
+          f"{theirs['best']}", flush=True)
+    heldout = tasks["heldout"]
+    seed_acc = heldout_accuracy(run, seed, heldout)
+    ours_acc = heldout_accuracy(run, ours["best"], heldout)
+    theirs_acc = heldout_accuracy(run, theirs["best"], heldout)
+    del rlmix_gepa
+    rows = [("seed (no search)", seed_acc, 0, "-"),
+            ("gepa 0.1.4 (PyPI)", theirs_acc, theirs["calls"], f"{theirs['seconds']:.0f}"),
+            ("rlmix gepa", ours_acc, ours["calls"], f"{ours['seconds']:.0f}")]
+    print(f"\nheld-out accuracy on {len(heldout)} tasks never searched on; budget "
+          f"{args.budget} metric calls; model {args.model} (task and reflection)\n")
+    print("| optimizer | held-out accuracy | gain | metric calls | search time (s) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, acc, calls, secs in rows:
+        print(f"| {name} | {acc:.3f} | {acc - seed_acc:+.3f} | {calls} | {secs} |")
+    print(f"\nbest instructions, package: {theirs['best']['instructions']!r}")
+    print(f"best instructions, rlmix:   {ours['best']['instructions']!r}")
+    print(f"rlmix: {ours['iterations']} iterations, {ours['accepted']} accepted, "
+          f"{ours['candidates']} candidates; package: {theirs['candidates']} candidates "
+          f"(it reports {theirs['reported_calls']} metric calls)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "args": vars(args), "seed_heldout": seed_acc, "rlmix": {**ours, "heldout": ours_acc},
+            "package": {**theirs, "heldout": theirs_acc}}, indent=1, default=str))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

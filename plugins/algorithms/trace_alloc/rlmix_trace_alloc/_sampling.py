@@ -1,0 +1,80 @@
+"""Sampling helpers shared by this plugin's hooks (a private copy: each rlmix plugin is its own
+distribution): prompt identity, plain generation through ``rlmix_generate``, scoring, regrouping
+rows by prompt, and the rollout counter kept in ``run.state``."""
+
+from __future__ import annotations
+
+import torch
+
+from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
+
+
+def prompt_key(prompt: Prompt, key: str = "text") -> str:
+    """A prompt's identity: its chat text (``key="text"``) or ``Prompt.id`` (falls back to the
+    text when the prompt has no id)."""
+    if key == "id" and prompt.id:
+        return f"id:{prompt.id}"
+    return "text:" + "\n".join(f"{m.get('role', '')}: {m.get('content', '')}"
+                               for m in prompt.messages)
+
+
+def generate(run: Run, prompts: list[Prompt], n: int,
+             temperature: float | None = None) -> RolloutBatch:
+    """``n`` completions per prompt through ``rlmix_generate`` with the manifest's sampling
+    settings (``temperature`` overrides the manifest's); rows prompt-major, ``prompts`` filled."""
+    smp = run.config.sampling
+    request = GenerationRequest(
+        prompts=list(prompts), n=n,
+        temperature=float(smp.temperature if temperature is None else temperature),
+        top_p=float(smp.top_p), top_k=int(smp.top_k), max_new_tokens=int(smp.max_new_tokens))
+    batch = run.hook.rlmix_generate(run=run, request=request)
+    if batch is None:
+        raise RuntimeError("no plugin returned a batch from rlmix_generate")
+    if not batch.prompts:
+        batch.prompts = [p for p in prompts for _ in range(n)]
+    return batch
+
+
+def score(run: Run, batch: RolloutBatch) -> torch.Tensor:
+    """The core's weighted reward of every row (the core scores the final batch again later;
+    scorers are pure, so this is safe)."""
+    from rlmix.loop import score as core_score
+
+    core_score(run, batch)
+    assert batch.rewards is not None
+    return batch.rewards
+
+
+def pad_id(run: Run) -> int:
+    tok = run.tokenizer
+    pad = getattr(tok, "pad_token_id", None) if tok is not None else None
+    return int(pad) if pad is not None else 0
+
+
+def regroup(parts: list[RolloutBatch], keys: list[str], pad: int = 0) -> RolloutBatch:
+    """Concatenate ``parts`` and renumber ``group`` so that rows with the same key (one per row,
+    in concatenation order) form one group; groups are contiguous, in first-seen order."""
+    batch = RolloutBatch.concat(parts, pad) if len(parts) > 1 else parts[0]
+    if len(keys) != len(batch):
+        raise ValueError(f"regroup: {len(keys)} keys for {len(batch)} rows")
+    ids = {k: g for g, k in enumerate(dict.fromkeys(keys))}
+    group = torch.tensor([ids[k] for k in keys], dtype=torch.long)
+    order = torch.argsort(group, stable=True)
+    out = batch.select(order)
+    out.group = group[order]
+    return out
+
+
+def count_rollouts(run: Run, name: str, n: int) -> None:
+    """Add ``n`` generated completions to ``run.state[name]["rollouts"]`` (checkpointed)."""
+    state = run.state.setdefault(name, {})
+    state["rollouts"] = int(state.get("rollouts", 0)) + int(n)
+
+
+def group_outcomes(success: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """``(successes, counts)`` per group, ``[G]`` each."""
+    g = int(group.max()) + 1 if len(group) else 0
+    counts = torch.zeros(g, dtype=torch.long).index_add_(0, group, torch.ones_like(group))
+    wins = torch.zeros(g, dtype=torch.long).index_add_(0, group, success.long())
+    return wins, counts
