@@ -21,7 +21,39 @@ DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/
                 "plugins/kernels/fused_logprobs")
 
 
+def _local_plugin_names() -> dict[str, str]:
+    """Distribution name -> folder, for every plugin in this repository."""
+    import tomllib
+
+    return {tomllib.loads((ROOT / p / "pyproject.toml").read_text())["project"]["name"]: p
+            for p in PLUGINS}
+
+
+def _with_local_deps(plugins: tuple[str, ...]) -> list[str]:
+    """The plugins, each preceded by the repository's plugins it depends on (rlmix-speculative
+    needs rlmix-hf), which are not on any package index."""
+    import re
+    import tomllib
+
+    local = _local_plugin_names()
+    ordered: list[str] = []
+
+    def visit(folder: str) -> None:
+        project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
+        for dep in project.get("dependencies", []):
+            name = re.split(r"[\s<>=!~\[;]", dep, maxsplit=1)[0]
+            if name in local and local[name] not in ordered:
+                visit(local[name])
+        if folder not in ordered:
+            ordered.append(folder)
+
+    for plugin in plugins:
+        visit(plugin)
+    return ordered
+
+
 def install_core(session: nox.Session, *plugins: str) -> None:
+    plugins = tuple(_with_local_deps(plugins))
     session.install(TORCH)
     session.install("-e", ".[test]")
     if "plugins/trainers/deepspeed" in plugins:

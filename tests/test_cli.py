@@ -90,3 +90,16 @@ def test_eval_rejects_a_folder_without_checkpoint(tmp_path: Path,
                      "--checkpoint", str(tmp_path)])
     assert code == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_eval_without_checkpoint_evaluates_the_base_model(
+        tiny_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logged = {r["step"]: r for r in read_jsonl(tiny_run_dir / "metrics.jsonl")}
+    out = tmp_path / "eval-out"
+    code = cli.main(["eval", str(EXAMPLE), *TINY, f"out={out}"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["checkpoint"] == "base model" and report["step"] == 0
+    # the untrained model: what the run logged before its first step
+    assert report["eval/accuracy"] == pytest.approx(logged[0]["eval/accuracy"])
+    assert not out.exists()

@@ -192,14 +192,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     run, _ = loop.prepare(cfg)
     loop.load_policy(run)
     loop.configure(run)
-    folder = Path(args.checkpoint)
-    if (folder / "checkpoints").exists():  # a run folder: take its latest checkpoint
-        folder = checkpoint.latest(folder / "checkpoints") or folder
-    if not (folder / "meta.json").exists():
-        raise RlmixError(f"--checkpoint {args.checkpoint}: not a checkpoint folder (no meta.json)")
-    checkpoint.restore(run, folder)
+    source = "base model"  # without --checkpoint: the manifest's model as loaded
+    if args.checkpoint is not None:
+        folder = Path(args.checkpoint)
+        if (folder / "checkpoints").exists():  # a run folder: take its latest checkpoint
+            folder = checkpoint.latest(folder / "checkpoints") or folder
+        if not (folder / "meta.json").exists():
+            raise RlmixError(f"--checkpoint {args.checkpoint}: not a checkpoint folder "
+                             "(no meta.json)")
+        checkpoint.restore(run, folder)
+        source = str(folder)
     metrics = loop.evaluate(run)
-    print(json.dumps({"checkpoint": str(folder), "step": run.step, **metrics}))
+    print(json.dumps({"checkpoint": source, "step": run.step, **metrics}))
     return 0
 
 
@@ -242,10 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="where to write the package folder <dir>/<name> "
                                               "(default: the current folder)")
     p.set_defaults(func=_cmd_new_plugin)
-    p = sub.add_parser("eval", help="evaluate a checkpoint")
+    p = sub.add_parser("eval", help="evaluate the manifest's model, or a checkpoint")
     p.add_argument("manifest")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--checkpoint", required=True, help="a checkpoint folder or a run folder")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint folder or a run folder (default: the base model)")
     p.set_defaults(func=_cmd_eval)
     return parser
 

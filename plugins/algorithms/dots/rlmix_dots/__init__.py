@@ -107,10 +107,21 @@ def _state(run: Run) -> dict[str, Any]:
 def rlmix_configure(run: Run) -> None:
     s: Settings = run.settings(NAME)
     p = int(run.config.train.prompts_per_step)
+    if s.ref_size >= p:
+        raise rlmix.ConfigError(f"dots.ref_size ({s.ref_size}) must be below "
+                                f"train.prompts_per_step ({p})")
     if s.replay_groups + s.ref_size >= p:
-        raise rlmix.ConfigError(f"dots.replay_groups + dots.ref_size ({s.replay_groups} + "
-                                f"{s.ref_size}) must be below train.prompts_per_step ({p})")
+        # defaults that run: a batch too small for both gives up replay, with a warning
+        print(f"rlmix: warning: dots: replay needs train.prompts_per_step > dots.ref_size + "
+              f"dots.replay_groups ({s.ref_size} + {s.replay_groups}); got {p}, so replay is "
+              f"reduced to {p - 1 - s.ref_size} group(s) per step")
     _state(run)
+
+
+def replay_budget(s: Settings, prompts_per_step: int) -> int:
+    """Replayed groups per step: the setting, reduced so at least one fresh prompt besides the
+    reference set is generated."""
+    return max(0, min(s.replay_groups, prompts_per_step - 1 - s.ref_size))
 
 
 def _text(prompt: Prompt) -> str:
@@ -131,7 +142,8 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     s: Settings = run.settings(NAME)
     state = _state(run)
     k = int(run.config.train.group_size)
-    replay = min(s.replay_groups, len(state["buffer"]))
+    replay = min(replay_budget(s, int(run.config.train.prompts_per_step)),
+                 len(state["buffer"]))
     fresh = len(prompts) - replay
     pool = list(prompts)
     for j in range(s.pool_factor - 1):

@@ -180,3 +180,12 @@ def _steps_from(run, env, step):
     batch = run.sample(run.hook.rlmix_prompts(run=run, step=step))
     score(run, batch)
     return [(env.generated - before, _flat_groups(batch), batch)]
+
+
+def test_replay_budget_shrinks_to_fit_small_batches():
+    from rlmix_dots import Settings, replay_budget
+
+    s = Settings(ref_size=1, replay_groups=2)
+    assert replay_budget(s, 8) == 2  # room for both
+    assert replay_budget(s, 3) == 1  # one fresh prompt besides the reference must remain
+    assert replay_budget(s, 2) == 0  # the default batch of 2: no replay, the run still starts

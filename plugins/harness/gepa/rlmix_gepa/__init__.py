@@ -450,7 +450,10 @@ def iterate(run: Run) -> HarnessUpdate | None:
     if NAME not in run.state and not components(run):
         return None
     state = run.state.get(NAME) or init_state(run)
-    if state["metric_calls"] >= s.budget:
+    # an iteration starts only when its worst case fits: parent and child on the minibatch, then
+    # the accepted child on the whole selection set; so the budget is never overspent
+    worst = 2 * s.minibatch_size + len(_tasks(state, "selection"))
+    if state["metric_calls"] + worst > s.budget:
         return None
     rng = random.Random(f"gepa-{s.seed}-{state['iteration']}")
     record = None

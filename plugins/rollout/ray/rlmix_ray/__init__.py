@@ -17,12 +17,14 @@ replacements per call.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
 import tempfile
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +41,11 @@ RAY_PIP = "pip install 'ray>=2.9'"
 class Settings:
     address: str = "local"  # "local": start a Ray instance here; "auto" or "ray://host:port": join
     workers: int = 2  # rollout actors
-    cpus_per_worker: float = 1.0
+    # CPUs reserved per worker; 0 = none (workers share the cores with the trainer, as on one
+    # machine, and a leftover worker of an earlier run in the process never starves a new one)
+    cpus_per_worker: float = 0.0
     gpus_per_worker: float = 0.0
-    num_cpus: int = 0  # CPUs of a local instance; 0 = workers * cpus_per_worker (at least 1)
+    num_cpus: int = 0  # CPUs of a local instance; 0 = workers * cpus_per_worker, or all cores
     worker_threads: int = 1  # torch threads in each worker (policy.threads there)
     max_restarts: int = 4  # dead workers replaced per generate call before giving up
     timeout_s: float = 600.0  # one worker's answer; a worker past it is treated as dead
@@ -243,10 +247,13 @@ def start_ray(settings: Settings) -> bool:
     if settings.address == "local":
         cpus = settings.num_cpus or max(1, int(round(settings.workers *
                                                       settings.cpus_per_worker)))
+        if not settings.num_cpus and settings.cpus_per_worker == 0:
+            cpus = os.cpu_count() or 1
         # workers import what the driver imports (in-process plugins included)
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        # a local instance listens on loopback only
         ray.init(address="local", include_dashboard=False, num_cpus=cpus,
-                 log_to_driver=False, configure_logging=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})
     else:
         ray.init(address=settings.address, log_to_driver=False)
@@ -277,10 +284,27 @@ def rlmix_configure(run: Run) -> None:
     specs = {n: plugin_spec(n, run.pm.get_plugin(n), values) for n in keep}
     config = worker_manifest(OmegaConf.to_container(run.config, resolve=True),  # type: ignore[arg-type]
                              keep, settings.worker_threads)
+    # the workers of a run that is gone are killed, so that they do not hold the instance's
+    # CPUs and leave a later run's actors pending (several runs in one process: tests, notebooks)
+    gc.collect()
     started = start_ray(settings)
     pool = Pool(settings=settings, config=config, specs=specs, started_ray=started)
     pool.workers = [pool.new_worker() for _ in range(settings.workers)]
     run.resources[NAME] = pool
+    weakref.finalize(run, _kill_workers, pool)
+
+
+def _kill_workers(pool: Pool) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for worker in pool.workers:
+        try:
+            ray.kill(worker, no_restart=True)
+        except Exception:  # already gone, or Ray was shut down
+            pass
+    pool.workers = []
 
 
 @rlmix.hookimpl
@@ -341,10 +365,6 @@ def shutdown(run: Run) -> None:
         return
     import ray
 
-    for worker in pool.workers:
-        try:
-            ray.kill(worker, no_restart=True)
-        except Exception:
-            pass
+    _kill_workers(pool)
     if pool.started_ray:
         ray.shutdown()

@@ -87,8 +87,8 @@ def run():
         ray.shutdown()
     path = os.pathsep.join([str(HERE), *(p for p in sys.path if p and os.path.isdir(p))])
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-             configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path,
-                                                                "OMP_NUM_THREADS": "1"}})
+             _node_ip_address="127.0.0.1", configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     try:
         plugins = {"probe_env": ray_probe.ProbeEnv, "probe_rollout": ray_probe.ProbeRollout,
                    "algo": SimpleAlgorithm, "ray": rlmix_ray}

@@ -131,7 +131,11 @@ def _free_port() -> int:
 def _launch(out: Path, args: list[str], nproc: int = 1, timeout: int = 400) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONWARNINGS": "ignore"}
-    env.pop("WORLD_SIZE", None)
+    # a process group set up earlier in this test process (an in-process run) leaves its
+    # rendezvous variables behind; a child that inherited MASTER_PORT would find it taken
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        env.pop(var, None)
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
