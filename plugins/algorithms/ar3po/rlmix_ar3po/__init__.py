@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_ar3po._sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 
 NAME = "ar3po"
 KEY_OFFSET = 3_000_000  # extra prompts of step s, round r come from step -(OFFSET + s*1000 + r)

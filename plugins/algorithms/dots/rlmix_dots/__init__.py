@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 import rlmix
-from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_dots._sampling import (
+from rlmix.sampling import (
     count_rollouts,
     generate,
     group_outcomes,
@@ -33,6 +32,7 @@ from rlmix_dots._sampling import (
     regroup,
     score,
 )
+from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "dots"
 KEY_OFFSET = 4_000_000

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_e3._sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 
 NAME = "e3"
 

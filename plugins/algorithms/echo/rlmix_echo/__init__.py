@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_echo._sampling import count_rollouts, generate, pad_id, prompt_key, regroup
 
 NAME = "echo"
 

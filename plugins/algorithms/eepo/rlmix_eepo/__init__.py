@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, regroup
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_eepo._sampling import count_rollouts, generate, pad_id, regroup
 
 NAME = "eepo"
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_trace_alloc._sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 
 NAME = "trace_alloc"
 MAX_HISTORY = 100_000  # prompts remembered (least recently seen forgotten first)

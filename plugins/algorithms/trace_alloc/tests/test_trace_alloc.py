@@ -12,71 +12,13 @@ import torch
 from rlmix_trace_alloc import features, mixed_gain, mixed_probability, predict, predictor_update
 
 import rlmix
-from rlmix.loop import score
 from rlmix.testing import make_run
-from rlmix.types import Prompt, RolloutBatch
-
-
-class SyntheticEnv:
-    """Tasks ``task i`` with known success rates ``rates[i]``; a completion is "1" (correct) with
-    that probability. Real steps walk the task list in order (epochs); negative step keys (extra
-    prompts) draw a seeded random subset. ``generated`` counts every completion."""
-
-    def __init__(self, rates, seed=0):
-        self.rates = rates
-        self.gen = torch.Generator().manual_seed(seed)
-        self.generated = 0
-
-    @rlmix.hookimpl
-    def rlmix_prompts(self, run, step):
-        size, total = int(run.config.train.prompts_per_step), len(self.rates)
-        if step >= 0:
-            idx = [(step * size + i) % total for i in range(size)]
-        else:
-            idx = random.Random(step).sample(range(total), size)
-        return [Prompt(messages=[{"role": "user", "content": f"task {i}"}], answer=i,
-                       id=f"step{step}-{j}") for j, i in enumerate(idx)]
-
-    @rlmix.hookimpl
-    def rlmix_generate(self, run, request):
-        n = len(request.prompts) * request.n
-        draws = torch.cat([torch.rand(request.n, generator=self.gen) < self.rates[p.answer]
-                           for p in request.prompts]).long()
-        self.generated += n
-        cmask = torch.tensor([[0.0, 1.0, 1.0]]).repeat(n, 1)
-        ids = torch.tensor([p.answer for p in request.prompts]).repeat_interleave(request.n)
-        return RolloutBatch(
-            group=torch.arange(len(request.prompts)).repeat_interleave(request.n),
-            tokens=torch.stack([ids, draws, torch.full_like(draws, 9)], 1),
-            attention_mask=torch.ones(n, 3, dtype=torch.long), completion_mask=cmask,
-            behavior_logp=-0.5 * cmask, policy_version=torch.zeros(n, dtype=torch.long),
-            texts=["1" if d else "0" for d in draws.tolist()],
-            prompts=[p for p in request.prompts for _ in range(request.n)])
-
-    @rlmix.hookimpl
-    def rlmix_score(self, run, batch):
-        return {"correct": torch.tensor([float(t == "1") for t in batch.texts])}
-
+from rlmix.testing.allocation import KnownRateEnv as SyntheticEnv
+from rlmix.testing.allocation import sample_steps as _steps
 
 # 24 tasks: impossible, trivial, and uncertain ones (10%, 30%, 50%)
 RATES = [0.0] * 6 + [1.0] * 6 + [0.1] * 4 + [0.3] * 4 + [0.5] * 4
 random.Random(0).shuffle(RATES)
-
-
-def _flat_groups(batch):
-    return [bool((batch.rewards[batch.group == g].max() - batch.rewards[batch.group == g].min())
-                 <= 1e-8) for g in range(batch.num_groups)]
-
-
-def _steps(run, env, steps):
-    rows = []
-    for step in range(steps):
-        run.step = step
-        before = env.generated
-        batch = run.sample(run.hook.rlmix_prompts(run=run, step=step))
-        score(run, batch)
-        rows.append((env.generated - before, _flat_groups(batch), batch))
-    return rows
 
 
 def _extra_by_rate(rows, group_size=4):

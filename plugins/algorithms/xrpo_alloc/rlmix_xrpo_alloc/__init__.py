@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import rlmix
+from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 from rlmix.types import Prompt, RolloutBatch, Run
-from rlmix_xrpo_alloc._sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
 
 NAME = "xrpo_alloc"
 MAX_HISTORY = 100_000  # prompts remembered (least recently seen forgotten first)

@@ -1,6 +1,7 @@
-"""Sampling helpers shared by this plugin's hooks (a private copy: each rlmix plugin is its own
-distribution): prompt identity, plain generation through ``rlmix_generate``, scoring, regrouping
-rows by prompt, and the rollout counter kept in ``run.state``."""
+"""Helpers for rollout-allocation plugins (``rlmix_sample`` wrappers and owners): prompt
+identity, plain generation through ``rlmix_generate`` with the manifest's sampling settings,
+scoring a candidate batch, regrouping rows by prompt, per-group outcomes, and the rollout counter
+kept in ``run.state`` (so claims "at equal rollout budget" can be checked)."""
 
 from __future__ import annotations
 
