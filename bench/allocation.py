@@ -43,13 +43,22 @@ def method_overrides(name: str, group: int, prompts: int = 4) -> tuple[list[str]
                         [f"train.group_size={half}", f"trace_alloc.budget_per_prompt={group}"]),
         "xrpo_alloc": (["xrpo_alloc"], [f"train.group_size={half}",
                                         f"xrpo_alloc.budget_per_prompt={group}"]),
+        # test-time RL: no labels; the reward is agreement with the group's majority answer
+        "echo": (["echo"], [f"train.group_size={half}", f"echo.branch_budget={prompts * half}",
+                            "score.weights.arith.correct=0", "score.weights.arith.format=0",
+                            "score.weights.echo.pseudo_correct=1"]),
+        # Monte Carlo continuations (counted in its state) take the other half of the budget
+        "agent_prm": (["agent_prm"], [f"train.group_size={half}", "agent_prm.mc_rows=1",
+                                      f"agent_prm.mc_rollouts={max(1, prompts * half // 4)}",
+                                      "agent_prm.max_steps=4"]),
     }
     if name not in table:
         raise SystemExit(f"unknown method {name!r}; choose from {', '.join(table)}")
     return table[name]
 
 
-METHODS = ("grpo", "ar3po", "dots", "roc", "e3", "eepo", "trace_alloc", "xrpo_alloc")
+METHODS = ("grpo", "ar3po", "dots", "roc", "e3", "eepo", "trace_alloc", "xrpo_alloc", "echo",
+           "agent_prm")
 
 
 class Counter:
