@@ -16,8 +16,9 @@ evolving the ``instructions`` component from a deliberately weak seed. Both opti
   same token limit and temperature; the package calls it through its default proposal prompt,
   rlmix through its own;
 * the same traces: input, output, score, reward terms and the env's feedback;
-* the same budget in metric calls (both check it before starting an iteration, so both may
-  overshoot by one iteration; the table reports the calls actually made).
+* the same budget in metric calls (the package checks it before starting an iteration, so it
+  may overshoot by one iteration; rlmix starts an iteration only when its worst case fits, so
+  it never overshoots; the table reports the calls actually made).
 
 Held-out accuracy is measured for the seed and for each optimizer's best candidate on the
 held-out tasks (these rollouts are not counted against either budget). Requires
@@ -64,9 +65,12 @@ def run_rlmix(run: Any) -> dict[str, Any]:
     print(f"  rlmix seed: selection {sum(state['scores'][0]) / len(state['scores'][0]):.3f}, "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     while state["metric_calls"] < run.settings("gepa").budget:
+        before = state["iteration"]
         update = rlmix_gepa.iterate(run)
         if update is not None:
             loop.apply_harness_update(run, update)
+        if state["iteration"] == before:
+            break  # no iteration fits in what is left of the budget
         h = state["history"][-1]
         print(f"  rlmix iteration {h['iteration']} ({h['kind']}): accepted "
               f"{h.get('accepted')}, {h['metric_calls']} calls, {time.perf_counter() - t0:.0f} s,"
