@@ -12,71 +12,10 @@ import torch
 from rlmix_e3 import difficulty_allocation, entropy_temperature_step, sample_entropy
 
 import rlmix
-from rlmix import ops
-from rlmix.loop import score
 from rlmix.testing import ToyPolicy, make_batch, make_run
-from rlmix.types import Minibatch, Normalizers, Prompt, RolloutBatch
-
-
-class ToyEnv:
-    """One-token prompts answered by a ``ToyPolicy`` (sampled at the requested temperature);
-    ``reward_fn(batch) -> {term: tensor}`` scores; ``generated`` counts completions."""
-
-    def __init__(self, policy, reward_fn, seed=0):
-        self.policy, self.reward_fn = policy, reward_fn
-        self.gen = torch.Generator().manual_seed(seed)
-        self.generated = 0
-
-    @rlmix.hookimpl
-    def rlmix_prompts(self, run, step):
-        return [Prompt(messages=[{"role": "user", "content": f"p{i}"}], answer=i)
-                for i in range(int(run.config.train.prompts_per_step))]
-
-    @rlmix.hookimpl
-    def rlmix_generate(self, run, request):
-        pol, t = self.policy, max(float(request.temperature), 1e-4)
-        n = len(request.prompts) * request.n
-        with torch.no_grad():
-            logp = torch.log_softmax(pol.logits / t, -1)
-            draws = torch.multinomial(logp.exp().repeat(n, 1), 1, generator=self.gen).view(n, -1)
-            behavior = torch.cat([torch.zeros(n, 1), logp.gather(-1, draws.T).T], 1)
-        self.generated += n
-        length = pol.length
-        cmask = torch.cat([torch.zeros(n, 1), torch.ones(n, length)], 1)
-        return RolloutBatch(
-            group=torch.arange(len(request.prompts)).repeat_interleave(request.n),
-            tokens=torch.cat([torch.zeros(n, 1, dtype=torch.long), draws], 1),
-            attention_mask=torch.ones(n, length + 1, dtype=torch.long), completion_mask=cmask,
-            behavior_logp=behavior * cmask,
-            policy_version=torch.full((n,), run.policy_version, dtype=torch.long),
-            texts=[" ".join(map(str, row)) for row in draws.tolist()],
-            prompts=[p for p in request.prompts for _ in range(request.n)])
-
-    @rlmix.hookimpl
-    def rlmix_score(self, run, batch):
-        return self.reward_fn(batch)
-
-
-def toy_loop(run, env, steps, lr=0.1, on_batch=None):
-    """Train ``env.policy`` through the run's hooks: ``run.sample`` (so sample wrappers apply),
-    the core's scoring, ``rlmix_advantage``, ``rlmix_clip``; Adam on the toy's logits."""
-    opt = torch.optim.Adam(env.policy.parameters(), lr=lr)
-    for step in range(steps):
-        run.step = step
-        batch = run.sample(run.hook.rlmix_prompts(run=run, step=step))
-        score(run, batch)
-        if on_batch is not None:
-            on_batch(batch)
-        batch.advantages = run.hook.rlmix_advantage(run=run, batch=batch)
-        logp, entropy = env.policy.logprobs(batch)
-        norm = Normalizers(tokens=float(batch.completion_mask.sum()), sequences=float(len(batch)),
-                           norm_constant=float(env.policy.length))
-        terms = run.hook.rlmix_clip(run=run, mb=Minibatch(batch=batch, normalizers=norm),
-                                    logp=logp, entropy=entropy)
-        loss = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, norm)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+from rlmix.testing.allocation import ToyPolicyEnv as ToyEnv
+from rlmix.testing.allocation import toy_policy_loop as toy_loop
+from rlmix.types import Prompt
 
 
 def test_difficulty_allocation_by_hand():
