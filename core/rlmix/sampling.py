@@ -5,6 +5,8 @@ kept in ``run.state`` (so claims "at equal rollout budget" can be checked)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
@@ -79,3 +81,20 @@ def group_outcomes(success: torch.Tensor, group: torch.Tensor) -> tuple[torch.Te
     counts = torch.zeros(g, dtype=torch.long).index_add_(0, group, torch.ones_like(group))
     wins = torch.zeros(g, dtype=torch.long).index_add_(0, group, success.long())
     return wins, counts
+
+
+def allocate_by_gain(gain: Callable[[int, int], float], m: int, budget: int,
+                     chunk: int) -> list[int]:
+    """Extra rollouts for ``m`` prompts: ``budget`` is handed out ``chunk`` at a time (the last
+    one smaller), each to the prompt with the highest ``gain(i, extra_i)`` given what it has
+    been handed so far (ties to the one handed the fewest, then the lower index, so equal gains
+    share round-robin). The budget is always spent, even when every gain is 0."""
+    extra = [0] * m
+    left = budget
+    while left > 0 and m > 0:
+        c = min(chunk, left)
+        gains = [gain(i, extra[i]) for i in range(m)]
+        best = max(range(m), key=lambda i: (gains[i], -extra[i], -i))
+        extra[best] += c
+        left -= c
+    return extra

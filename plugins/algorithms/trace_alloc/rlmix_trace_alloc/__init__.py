@@ -16,14 +16,22 @@ same as XRPO's (``rlmix_xrpo_alloc``).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import rlmix
-from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
+from rlmix.sampling import (
+    allocate_by_gain,
+    count_rollouts,
+    generate,
+    pad_id,
+    prompt_key,
+    regroup,
+    score,
+)
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "trace_alloc"
@@ -66,24 +74,6 @@ def features(texts: list[str], dim: int) -> torch.Tensor:
         for j in range(len(padded) - 2):
             out[i, zlib.crc32(padded[j:j + 3].encode()) % dim] += 1.0
     return out / out.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-
-
-def allocate_by_gain(gain: Callable[[int, int], float], m: int, budget: int,
-                     chunk: int) -> list[int]:
-    """Extra rollouts for ``m`` prompts: ``budget`` handed out ``chunk`` at a time (the last one
-    smaller), each to the prompt with the highest ``gain(i, extra_i)`` given what it has been
-    handed so far (ties to the one handed the fewest, then the lower index). The same greedy
-    allocator as ``rlmix_xrpo_alloc.allocate_by_gain``, kept here so each plugin installs
-    alone; a test checks the two agree."""
-    extra = [0] * m
-    left = budget
-    while left > 0 and m > 0:
-        c = min(chunk, left)
-        gains = [gain(i, extra[i]) for i in range(m)]
-        best = max(range(m), key=lambda i: (gains[i], -extra[i], -i))
-        extra[best] += c
-        left -= c
-    return extra
 
 
 def mixed_probability(p: float, m: int) -> float:

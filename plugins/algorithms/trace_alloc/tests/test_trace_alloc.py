@@ -49,16 +49,6 @@ def test_mixed_probability_and_gain_by_hand():
     assert mixed_gain(1.0, 4, 0, 2) == 0.0
 
 
-def test_allocator_agrees_with_xrpos_copy():
-    xrpo = pytest.importorskip("rlmix_xrpo_alloc")
-    from rlmix_trace_alloc import allocate_by_gain
-
-    for seed in range(10):
-        w = torch.rand(5, generator=torch.Generator().manual_seed(seed)).tolist()
-        gain = lambda i, e, w=w: w[i] / (1 + e)  # noqa: E731
-        assert allocate_by_gain(gain, 5, 23, 3) == xrpo.allocate_by_gain(gain, 5, 23, 3)
-
-
 def test_predictor_learns_success_rates_from_features():
     texts = ["alpha alpha task", "omega omega task"]
     x = features(texts, 64)

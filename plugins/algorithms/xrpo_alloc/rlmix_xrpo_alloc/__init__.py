@@ -7,18 +7,27 @@ half-width ``z * s * (1/sqrt(n) - 1/sqrt(n + chunk))``, with ``s`` the Bernoulli
 deviation at the posterior mean and ``n`` the prompt's effective sample count (this step's
 rollouts plus decayed history from ``run.state["xrpo_alloc"]``).
 
-``allocate_by_gain`` (the greedy allocator) is shared with ``trace_alloc``.
+``allocate_by_gain`` (the greedy allocator) lives in ``rlmix.sampling``, shared with
+``trace_alloc``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import rlmix
-from rlmix.sampling import count_rollouts, generate, pad_id, prompt_key, regroup, score
+from rlmix.sampling import (
+    allocate_by_gain,
+    count_rollouts,
+    generate,
+    pad_id,
+    prompt_key,
+    regroup,
+    score,
+)
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "xrpo_alloc"
@@ -45,23 +54,6 @@ class Settings:
             raise ValueError(f"history_decay must be in [0, 1], got {self.history_decay}")
         if self.key not in ("text", "id"):
             raise ValueError(f"key must be 'text' or 'id', got {self.key!r}")
-
-
-def allocate_by_gain(gain: Callable[[int, int], float], m: int, budget: int,
-                     chunk: int) -> list[int]:
-    """Extra rollouts for ``m`` prompts: ``budget`` is handed out ``chunk`` at a time (the last
-    one smaller), each to the prompt with the highest ``gain(i, extra_i)`` given what it has
-    been handed so far (ties to the one handed the fewest, then the lower index, so equal gains
-    share round-robin). The budget is always spent, even when every gain is 0."""
-    extra = [0] * m
-    left = budget
-    while left > 0 and m > 0:
-        c = min(chunk, left)
-        gains = [gain(i, extra[i]) for i in range(m)]
-        best = max(range(m), key=lambda i: (gains[i], -extra[i], -i))
-        extra[best] += c
-        left -= c
-    return extra
 
 
 def interval_shrink(wins: float, n: float, c: int, z: float = 1.96) -> float:
