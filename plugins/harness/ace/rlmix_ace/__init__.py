@@ -24,7 +24,6 @@ detail is never lost to a rewrite (its "context collapse"). Each ``rlmix_evolve`
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import json
 import re
@@ -32,12 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import rlmix
 from rlmix import loop
+from rlmix.harness import score_tasks, task_pool, user_text
 from rlmix.lm import LM, LMSettings, make_lm
-from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
+from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ace"
 GATES = "rlmix.gates"
@@ -313,10 +311,6 @@ def state_of(run: Run) -> dict[str, Any]:
     return state
 
 
-def _user_text(prompt: Prompt) -> str:
-    return next((m["content"] for m in reversed(prompt.messages) if m["role"] == "user"), "")
-
-
 def reflect(run: Run, batch: RolloutBatch, book: dict[str, Any]
             ) -> tuple[list[tuple[str, str]], list[str]]:
     """Tags ``[(bullet id, helpful|harmful)]`` for every cited bullet of every sample, and the
@@ -338,7 +332,7 @@ def reflect(run: Run, batch: RolloutBatch, book: dict[str, Any]
         for i in chosen:
             info = {k: v for k, v in batch.info[i].items() if k != "episode"}
             prompts.append(reflector_prompt(
-                _user_text(batch.prompts[i]), batch.texts[i], rewards[i],
+                user_text(batch.prompts[i]), batch.texts[i], rewards[i],
                 rewards[i] >= s.success_threshold, json.dumps(info, default=str)[:300],
                 [find(book, c) for c in cited[i]]))  # type: ignore[misc]
         outs = _lm(run).complete_batch(prompts, s.lm.max_new_tokens, s.lm.temperature)
@@ -360,35 +354,9 @@ def reflect(run: Run, batch: RolloutBatch, book: dict[str, Any]
 
 def check_tasks(run: Run, harness: dict[str, str]) -> list[float]:
     s = run.settings(NAME)
-    per_step = max(1, int(run.config.train.prompts_per_step))
-    tasks = [(s.task_step_base + k // per_step, k % per_step) for k in range(s.check_size)]
-    # an asynchronous sampler shares run.harness: hold it while the harness is swapped
-    sampler = getattr(run, "async_sampler", None)
-    with sampler.paused() if sampler is not None else contextlib.nullcontext():
-        saved = dict(run.harness)
-        run.harness.clear()
-        run.harness.update(harness)
-        try:
-            rendered = {st: run.hook.rlmix_prompts(run=run, step=st)
-                        for st in {t[0] for t in tasks}}
-        finally:
-            run.harness.clear()
-            run.harness.update(saved)
-    prompts = [rendered[st][i] for st, i in tasks]
-    model = run.policy.model if run.policy is not None else None
-    was_training = bool(model is not None and model.training)
-    if model is not None:
-        model.eval()
-    try:
-        with torch.no_grad():
-            batch = run.generate(prompts, temperature=0.0,
-                                 max_new_tokens=s.max_new_tokens or None)
-    finally:
-        if model is not None:
-            model.train(was_training)
-    loop.score(run, batch)
-    assert batch.rewards is not None
-    return [float(r) for r in batch.rewards]
+    tasks = task_pool(run, s.check_size, s.task_step_base)
+    scores, _ = score_tasks(run, harness, tasks, max_new_tokens=s.max_new_tokens or None)
+    return scores
 
 
 def evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:

@@ -19,24 +19,19 @@ checkpointed run resumes where it stopped.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 import rlmix
-from rlmix import loop
+from rlmix.harness import Task, mean, score_tasks, task_pool, traces
 from rlmix.lm import LM, LMSettings, make_lm
-from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
+from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "gepa"
 GATES = "rlmix.gates"
-Task = tuple[int, int]  # (rlmix_prompts step, index in that step's prompts)
 
 
 @dataclass
@@ -211,73 +206,16 @@ def parse_proposal(reply: str) -> str:
 # ---------------------------------------------------------------- tasks and evaluation
 
 
-def render(run: Run, harness: dict[str, str], steps: Sequence[int]) -> dict[int, list[Prompt]]:
-    """The env's prompts for ``steps``, built with ``harness`` in place of ``run.harness``."""
-    # an asynchronous sampler shares run.harness: hold it while the harness is swapped
-    sampler = getattr(run, "async_sampler", None)
-    with sampler.paused() if sampler is not None else contextlib.nullcontext():
-        saved = dict(run.harness)
-        run.harness.clear()
-        run.harness.update(harness)
-        try:
-            out = {}
-            for step in steps:
-                prompts = run.hook.rlmix_prompts(run=run, step=int(step))
-                if not prompts:
-                    raise RuntimeError(f"gepa: rlmix_prompts returned nothing for step {step}")
-                out[int(step)] = list(prompts)
-            return out
-        finally:
-            run.harness.clear()
-            run.harness.update(saved)
-
-
-def task_pool(run: Run, size: int, base: int) -> list[Task]:
-    per_step = max(1, int(run.config.train.prompts_per_step))
-    return [(base + k // per_step, k % per_step) for k in range(size)]
-
-
 def run_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task],
               ) -> tuple[list[float], RolloutBatch]:
     """Generate once per task under ``harness`` and score with the run's scorers. Returns the
-    per-task metric (``gepa.metric``) and the scored batch (traces)."""
+    per-task metric (``gepa.metric``) and the scored batch (traces); counts the metric calls."""
     s = run.settings(NAME)
-    rendered = render(run, harness, sorted({t[0] for t in tasks}))
-    prompts = [rendered[step][i] for step, i in tasks]
-    model = run.policy.model if run.policy is not None else None
-    was_training = bool(model is not None and model.training)
-    if model is not None:
-        model.eval()
-    try:
-        with torch.no_grad():
-            batch = run.generate(prompts, temperature=s.temperature,
-                                 max_new_tokens=s.max_new_tokens or None)
-    finally:
-        if model is not None:
-            model.train(was_training)
-    loop.score(run, batch)
-    if s.metric:
-        if s.metric not in batch.reward_terms:
-            raise rlmix.ConfigError(f"gepa.metric: no reward term {s.metric!r}; the scorers "
-                                    f"return {', '.join(sorted(batch.reward_terms))}")
-        values = batch.reward_terms[s.metric]
-    else:
-        assert batch.rewards is not None
-        values = batch.rewards
+    scores, batch = score_tasks(run, harness, tasks, temperature=s.temperature,
+                                max_new_tokens=s.max_new_tokens or None, metric=s.metric,
+                                owner=NAME)
     run.state[NAME]["metric_calls"] += len(tasks)
-    return [float(v) for v in values], batch
-
-
-def traces(batch: RolloutBatch, scores: list[float], chars: int) -> list[dict[str, Any]]:
-    out = []
-    for i, prompt in enumerate(batch.prompts):
-        user = next((m["content"] for m in reversed(prompt.messages) if m["role"] == "user"), "")
-        terms = ", ".join(f"{k}={float(v[i]):g}" for k, v in sorted(batch.reward_terms.items()))
-        info = {k: v for k, v in batch.info[i].items() if k != "episode"}
-        feedback = json.dumps(info, default=str)[:chars] if info else ""
-        out.append({"input": user, "output": batch.texts[i], "score": scores[i],
-                    "terms": terms, "feedback": feedback})
-    return out
+    return scores, batch
 
 
 # ---------------------------------------------------------------- the iteration
@@ -288,10 +226,6 @@ def _lm(run: Run) -> LM:
     if lm is None:
         lm = run.resources["gepa.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
     return lm
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
 
 
 def components(run: Run) -> list[str]:
@@ -357,7 +291,7 @@ def _score_heldout(run: Run, c: int) -> None:
     scores, _ = run_tasks(run, state["candidates"][c], tasks)
     state["metric_calls"] = calls  # held-out scoring is reporting, not search
     state["heldout_calls"] += len(tasks)
-    state["heldout"][str(c)] = _mean(scores)
+    state["heldout"][str(c)] = mean(scores)
 
 
 def _gate(run: Run, parent: int, child_scores: list[float]) -> tuple[bool, str]:
@@ -369,7 +303,7 @@ def _gate(run: Run, parent: int, child_scores: list[float]) -> tuple[bool, str]:
 
 
 def best_candidate(state: dict[str, Any]) -> int:
-    means = [_mean(s) for s in state["scores"]]
+    means = [mean(s) for s in state["scores"]]
     return max(range(len(means)), key=lambda c: (means[c], -c))
 
 
@@ -403,7 +337,7 @@ def mutate(run: Run, rng: random.Random) -> dict[str, Any]:
         return record
     full, _ = run_tasks(run, child, _tasks(state, "selection"))
     ok, why = _gate(run, parent, full)
-    record["selection"] = _mean(full)
+    record["selection"] = mean(full)
     if not ok:
         record["accepted"], record["why"] = False, f"flip gate: {why}"
         return record
@@ -434,9 +368,9 @@ def merge(run: Run, rng: random.Random) -> dict[str, Any] | None:
         record["accepted"], record["why"] = False, "worse than a parent on the subsample"
         return record
     full, _ = run_tasks(run, merged, selection)
-    better = i if _mean(si) >= _mean(sj) else j
+    better = i if mean(si) >= mean(sj) else j
     ok, why = _gate(run, better, full)
-    record["selection"] = _mean(full)
+    record["selection"] = mean(full)
     if not ok:
         record["accepted"], record["why"] = False, f"flip gate: {why}"
         return record
@@ -471,7 +405,7 @@ def iterate(run: Run) -> HarnessUpdate | None:
         return None
     state["applied"] = best
     _score_heldout(run, best)
-    means = [_mean(x) for x in state["scores"]]
+    means = [mean(x) for x in state["scores"]]
     return HarnessUpdate(
         components=dict(state["candidates"][best]),
         evidence=(f"candidate {best} ({state['origin'][best]} of {state['parents'][best]}): "
@@ -504,8 +438,8 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     metrics["gepa/metric_calls"] = state["metric_calls"]
     metrics["gepa/candidates"] = len(state["candidates"])
     metrics["gepa/best"] = best
-    metrics["gepa/best_selection"] = _mean(state["scores"][best])
-    metrics["gepa/seed_selection"] = _mean(state["scores"][0])
+    metrics["gepa/best_selection"] = mean(state["scores"][best])
+    metrics["gepa/seed_selection"] = mean(state["scores"][0])
     if str(best) in state["heldout"]:
         metrics["gepa/heldout"] = state["heldout"][str(best)]
         metrics["gepa/seed_heldout"] = state["heldout"]["0"]

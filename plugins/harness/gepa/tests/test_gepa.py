@@ -13,7 +13,6 @@ from collections import Counter
 
 import pytest
 import rlmix_gepa
-import torch
 from rlmix_gepa import (
     ancestors,
     find_merge,
@@ -29,7 +28,7 @@ import rlmix
 from rlmix import loop
 from rlmix.testing import make_run
 from rlmix.testing.chat_server import ScriptedLM
-from rlmix.types import Prompt, RolloutBatch
+from rlmix.testing.harness import HINTS, hint_plugins, hint_reflection
 
 # ---------------------------------------------------------------- Pareto selection
 
@@ -120,79 +119,21 @@ def test_reflection_prompt_shows_traces_and_proposals_are_parsed():
 
 
 # ---------------------------------------------------------------- a toy env (the prompt matters)
+# rlmix.testing.harness: the model answers a topic right only when the topic's hint word is in
+# the harness; the scorer's feedback names the missing word; hint_reflection reads it.
 
-HINTS = {"t0": "alpha", "t1": "beta", "t2": "gamma", "t3": "delta"}
-
-
-class ToyEnv:
-    """Task ``(step, i)`` has topic ``t{(step + i) % 4}``. The toy model answers a topic right
-    only when the topic's hint word appears in the prompt's instructions; the scorer's feedback
-    names the missing word."""
-
-    @rlmix.hookimpl
-    def rlmix_prompts(self, run, step):
-        out = []
-        for i in range(int(run.config.train.prompts_per_step)):
-            topic = f"t{(step + i) % 4}"
-            user = f"Question {step}.{i} on topic {topic}. {run.harness.get('instructions', '')}"
-            messages = [{"role": "user", "content": user}]
-            if run.harness.get("system"):
-                messages.insert(0, {"role": "system", "content": run.harness["system"]})
-            out.append(Prompt(messages=messages, answer=topic, id=f"{step}-{i}"))
-        return out
-
-    @rlmix.hookimpl
-    def rlmix_score(self, run, batch):
-        correct = []
-        for info, text, prompt in zip(batch.info, batch.texts, batch.prompts):
-            ok = text == f"ANSWER {prompt.answer}"
-            correct.append(float(ok))
-            info["toy"] = {} if ok else {"hint": f"the instructions lack the word "
-                                                 f"{HINTS[prompt.answer]}"}
-        return {"correct": torch.tensor(correct)}
-
-
-class ToyModel:
-    """A rollout engine whose 'model' knows a topic when its hint word is in the prompt."""
-
-    calls = 0
-
-    @rlmix.hookimpl
-    def rlmix_generate(self, run, request):
-        texts = []
-        for p in request.prompts:
-            user = p.messages[-1]["content"]
-            topic = re.search(r"topic (t\d)", user).group(1)
-            harness = " ".join([*(m["content"] for m in p.messages[:-1]),
-                                re.sub(r"^Question [\d.]+ on topic t\d\.", "", user)])
-            texts.append(f"ANSWER {topic}" if HINTS[topic] in harness.split() else "no idea")
-        ToyModel.calls += len(texts)
-        n = len(texts)
-        return RolloutBatch(group=torch.arange(n), tokens=torch.zeros(n, 2, dtype=torch.long),
-                            attention_mask=torch.ones(n, 2, dtype=torch.long),
-                            completion_mask=torch.tensor([[0.0, 1.0]] * n),
-                            behavior_logp=torch.zeros(n, 2),
-                            policy_version=torch.zeros(n, dtype=torch.long), texts=texts,
-                            prompts=list(request.prompts))
-
-
-def reflective_reply(prompt: str) -> str:
-    """A scripted reflection LM that reads the feedback: adds every word the traces say is
-    missing to the current text."""
-    current = re.search(r"```\n(.*?)\n```", prompt, re.S).group(1)
-    missing = sorted(set(re.findall(r"lack the word (\w+)", prompt)))
-    return "```\n" + " ".join([current, *missing]).strip() + "\n```"
+reflective_reply = hint_reflection
 
 
 def toy_run(tmp_path, *overrides, with_gates=False):
-    plugins = {"toyenv": ToyEnv(), "toymodel": ToyModel()}
+    plugins = hint_plugins()
     if with_gates:
         import rlmix_gates
 
         plugins["gates"] = rlmix_gates
     plugins["gepa"] = rlmix_gepa
     run = make_run(plugins, [f"out={tmp_path}", "train.prompts_per_step=4",
-                             "harness.instructions=Answer.", "gepa.metric=toyenv.correct",
+                             "harness.instructions=Answer.", "gepa.metric=hintenv.correct",
                              "gepa.search_size=8", "gepa.selection_size=8",
                              "gepa.heldout_size=8", "gepa.minibatch_size=2",
                              *overrides])
@@ -330,7 +271,7 @@ def test_settings_and_missing_component_errors(tmp_path):
         make_run({"gepa": rlmix_gepa}, ["gepa.lm.source=cloud"])
     with pytest.raises(rlmix.ManifestError, match="gepa.lm.sorce"):
         make_run({"gepa": rlmix_gepa}, ["gepa.lm.sorce=http"])
-    run = make_run({"toyenv": ToyEnv(), "toymodel": ToyModel(), "gepa": rlmix_gepa},
+    run = make_run({**hint_plugins(), "gepa": rlmix_gepa},
                    [f"out={tmp_path}", "gepa.components=[system]"])
     with pytest.raises(rlmix.ConfigError, match="gepa.components.*no component .system."):
         loop.configure(run)

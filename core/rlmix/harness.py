@@ -1,0 +1,131 @@
+"""What every harness-evolution plugin needs: tasks, prompts built under a candidate harness,
+and scored rollouts of those prompts.
+
+A *task* is ``(step, i)``: the ``i``-th prompt the env returns from ``rlmix_prompts(run, step)``.
+Envs build prompts from ``run.harness`` and are deterministic in ``step`` (a resumed run sees the
+prompts it would have seen), so the same task rendered under two harnesses differs only by the
+harness. Plugins draw their search / selection / held-out tasks from steps far beyond training
+(``task_step_base``) so that they never touch the training stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from rlmix.errors import ConfigError
+from rlmix.types import Prompt, RolloutBatch, Run
+
+Task = tuple[int, int]  # (rlmix_prompts step, index in that step's prompts)
+
+
+def task_pool(run: Run, size: int, base: int) -> list[Task]:
+    """``size`` tasks from steps ``base, base + 1, ...``, ``train.prompts_per_step`` per step."""
+    per_step = max(1, int(run.config.train.prompts_per_step))
+    return [(base + k // per_step, k % per_step) for k in range(size)]
+
+
+@contextlib.contextmanager
+def harness_swapped(run: Run, harness: dict[str, str]) -> Iterator[None]:
+    """``run.harness`` holds ``harness`` inside the block and its own texts again after it.
+
+    An asynchronous sampler shares ``run.harness``: it is paused for the block."""
+    sampler = getattr(run, "async_sampler", None)
+    with sampler.paused() if sampler is not None else contextlib.nullcontext():
+        saved = dict(run.harness)
+        run.harness.clear()
+        run.harness.update(harness)
+        try:
+            yield
+        finally:
+            run.harness.clear()
+            run.harness.update(saved)
+
+
+def prompts_under(run: Run, harness: dict[str, str], steps: Sequence[int]
+                  ) -> dict[int, list[Prompt]]:
+    """The env's prompts for ``steps``, built with ``harness`` in place of ``run.harness``."""
+    out = {}
+    with harness_swapped(run, harness):
+        for step in steps:
+            prompts = run.hook.rlmix_prompts(run=run, step=int(step))
+            if not prompts:
+                raise RuntimeError(f"rlmix_prompts returned nothing for step {step}")
+            out[int(step)] = list(prompts)
+    return out
+
+
+def task_prompts(run: Run, harness: dict[str, str], tasks: Sequence[Task]) -> list[Prompt]:
+    """The prompts of ``tasks`` under ``harness``, in the order of ``tasks``."""
+    rendered = prompts_under(run, harness, sorted({int(t[0]) for t in tasks}))
+    return [rendered[int(step)][int(i)] for step, i in tasks]
+
+
+def generate_scored(run: Run, prompts: Sequence[Prompt], temperature: float = 0.0,
+                    max_new_tokens: int | None = None) -> RolloutBatch:
+    """One rollout per prompt (greedy by default, so scores repeat), scored by the run's
+    scorers, with the policy in eval mode and no gradients."""
+    from rlmix import loop
+
+    model = run.policy.model if run.policy is not None else None
+    was_training = bool(model is not None and model.training)
+    if model is not None:
+        model.eval()
+    try:
+        with torch.no_grad():
+            batch = run.generate(list(prompts), temperature=temperature,
+                                 max_new_tokens=max_new_tokens or None)
+    finally:
+        if model is not None:
+            model.train(was_training)
+    loop.score(run, batch)
+    return batch
+
+
+def metric_values(batch: RolloutBatch, metric: str = "", owner: str = "") -> list[float]:
+    """Per-row values of reward term ``metric`` (e.g. ``arith.correct``), or of the weighted
+    reward when ``metric`` is empty."""
+    if metric:
+        if metric not in batch.reward_terms:
+            raise ConfigError(f"{owner + '.' if owner else ''}metric: no reward term {metric!r}; "
+                              f"the scorers return {', '.join(sorted(batch.reward_terms))}")
+        return [float(v) for v in batch.reward_terms[metric]]
+    if batch.rewards is None:
+        raise RuntimeError("the batch has no rewards: score it first")
+    return [float(v) for v in batch.rewards]
+
+
+def score_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task], *,
+                temperature: float = 0.0, max_new_tokens: int | None = None, metric: str = "",
+                owner: str = "") -> tuple[list[float], RolloutBatch]:
+    """Run ``tasks`` once each under ``harness``; the per-task metric and the scored batch."""
+    batch = generate_scored(run, task_prompts(run, harness, tasks), temperature, max_new_tokens)
+    return metric_values(batch, metric, owner), batch
+
+
+def user_text(prompt: Prompt) -> str:
+    """The last user message of a prompt (the task as the model saw it)."""
+    return next((m["content"] for m in reversed(prompt.messages) if m["role"] == "user"), "")
+
+
+def traces(batch: RolloutBatch, scores: Sequence[float], chars: int = 400
+           ) -> list[dict[str, Any]]:
+    """One record per row for a reflection prompt: ``input`` (the user message), ``output``,
+    ``score``, ``terms`` (every reward term) and ``feedback`` (the env's ``info``, as JSON cut
+    to ``chars``)."""
+    out = []
+    for i, prompt in enumerate(batch.prompts):
+        terms = ", ".join(f"{k}={float(v[i]):g}" for k, v in sorted(batch.reward_terms.items()))
+        info = {k: v for k, v in batch.info[i].items() if k != "episode"}
+        feedback = json.dumps(info, default=str)[:chars] if info else ""
+        out.append({"input": user_text(prompt), "output": batch.texts[i],
+                    "score": float(scores[i]), "terms": terms, "feedback": feedback})
+    return out
+
+
+def mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
