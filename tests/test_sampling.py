@@ -36,3 +36,30 @@ def test_group_outcomes_and_rollout_counter() -> None:
     count_rollouts(run, "method", 8)
     count_rollouts(run, "method", 4)
     assert run.state["method"]["rollouts"] == 12
+
+
+def test_draw_tokens_matches_the_distribution_and_its_log_probs():
+    from rlmix.sampling import draw_tokens
+
+    scores = torch.tensor([[2.0, 1.0, float("-inf"), 0.0, -1.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    choice, logp = draw_tokens(scores, gen)
+    probs = torch.softmax(scores[0], -1)
+    counts = torch.bincount(choice, minlength=5).double()
+    assert counts[2] == 0  # an excluded token is never drawn
+    expected = probs.double() * len(choice)
+    keep = expected > 0
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+    torch.testing.assert_close(logp, torch.log(probs)[choice])
+    # seeded: the same generator state draws the same tokens
+    again, _ = draw_tokens(scores, torch.Generator().manual_seed(0))
+    assert torch.equal(again, choice)
+
+
+def test_draw_tokens_is_not_uniform():
+    from rlmix.sampling import draw_tokens
+
+    scores = torch.tensor([[5.0, 0.0]]).repeat(2000, 1)
+    choice, _ = draw_tokens(scores, torch.Generator().manual_seed(1))
+    assert 0.98 < float((choice == 0).float().mean()) < 1.0

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import draw_tokens, filter_logits
 from rlmix.types import GenerationRequest, RolloutBatch, Run
 
 
@@ -32,24 +33,6 @@ class Settings:
         if self.max_episode_tokens < 0:
             raise ValueError(f"max_episode_tokens must be >= 0 (0 = no cap), got "
                              f"{self.max_episode_tokens}")
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_p: float,
-                  top_k: int) -> torch.Tensor:
-    """The sampling distribution's logits: temperature, then top-k, then top-p (nucleus);
-    excluded tokens get -inf."""
-    logits = logits.float() / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 def encode_prompts(run: Run, prompts: list[rlmix.Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,17 +90,16 @@ def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     tokens, logps, masks = [], [], []
     for _ in range(max_new_tokens):
         if temperature > 0:
-            scores = filter_logits(logits, temperature, top_p, top_k)
-            logprobs = torch.log_softmax(scores, -1)
-            choice = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+            choice, logp = draw_tokens(filter_logits(logits, temperature, top_p, top_k),
+                                       generator)
         else:
             logprobs = torch.log_softmax(logits.float(), -1)
             choice = logprobs.argmax(-1)
+            logp = logprobs.gather(-1, choice[:, None]).squeeze(-1)
         live = ~done
         tok = torch.where(live, choice, torch.full_like(choice, pad_id))
         tokens.append(tok)
-        logps.append(torch.where(live, logprobs.gather(-1, choice[:, None]).squeeze(-1),
-                                 torch.zeros_like(choice, dtype=torch.float)))
+        logps.append(torch.where(live, logp, torch.zeros_like(logp)))
         masks.append(live.float())
         done = done | torch.isin(choice, eos)
         if stop_fn is not None:

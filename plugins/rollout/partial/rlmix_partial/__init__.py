@@ -22,6 +22,7 @@ import torch
 
 import rlmix
 from rlmix.policy import cache_argument
+from rlmix.sampling import draw_tokens, filter_logits
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "partial"
@@ -42,23 +43,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------- generation that can stop
-
-
-def sampling_logits(logits: torch.Tensor, temperature: float, top_p: float,
-                    top_k: int) -> torch.Tensor:
-    """The sampling distribution's logits: temperature, then top-k, then nucleus (top-p);
-    excluded tokens get -inf (the same distribution the ``hf`` engine samples)."""
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(ordered, -1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # the top token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 @dataclass
@@ -132,13 +116,12 @@ def decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     logits = out.logits[:, -1, :]
     next_pos = positions[:, -1:] + 1
     while True:
-        scores = sampling_logits(logits, temperature, top_p, top_k)
-        logprobs = torch.log_softmax(scores, -1)
-        choice = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        choice, chosen_logp = draw_tokens(filter_logits(logits, temperature, top_p, top_k),
+                                          generator)
         tok = torch.full((rows,), pad_id, dtype=torch.long, device=device)
         tok[active] = choice
         lp = torch.zeros(rows, device=device)
-        lp[active] = logprobs.gather(-1, choice[:, None]).squeeze(-1)
+        lp[active] = chosen_logp.float()
         live = torch.zeros(rows, dtype=torch.bool, device=device)
         live[active] = True
         tokens.append(tok)
