@@ -153,3 +153,23 @@ def test_tensorboard_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert events and events[0].stat().st_size > 0
     printed = capsys.readouterr().out
     assert "eval/accuracy:" in printed and "(step 0) ->" in printed and "(step 2)" in printed
+
+
+def test_default_optimizer_is_fused_adamw_with_the_per_tensor_update():
+    from rlmix.defaults import adamw
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(50, 7)), torch.nn.Parameter(torch.randn(3))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    fused = adamw(a, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(p.detach(), torch.zeros_like(p))

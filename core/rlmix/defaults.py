@@ -21,16 +21,25 @@ from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch, Run
 NAME = "rlmix.defaults"
 
 
+def adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel over every tensor) where torch supports it for these
+    parameters: the same update as the per-tensor loop (to the last bit or so), 3-5x faster on
+    a CPU; otherwise the per-tensor loop."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
 @hookimpl(trylast=True)
 def rlmix_configure(run: Run) -> None:
     owner = next((n for n, w in _plugins.implementers(run.pm, "rlmix_update") if not w), None)
     if owner == NAME and run.optimizer is None and run.policy is not None:
         train = run.config.train
         params = [p for p in run.policy.model.parameters() if p.requires_grad]
-        run.optimizer = torch.optim.AdamW(params, lr=float(train.lr),
-                                          betas=(float(train.adam_beta1),
-                                                 float(train.adam_beta2)),
-                                          weight_decay=float(train.weight_decay))
+        run.optimizer = adamw(params, lr=float(train.lr),
+                              betas=(float(train.adam_beta1), float(train.adam_beta2)),
+                              weight_decay=float(train.weight_decay))
         run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
 
 
