@@ -4,7 +4,11 @@ Both frameworks run in their own worker process (so each one's peak RSS is its o
 by step from this script: warm-up steps first, then the two workers take turns, one step each, so
 machine noise falls on both alike. Same model (SmolLM2-135M-Instruct, fp32 weights), same prompts
 in the same order, same group size, max new tokens, temperature, learning rate, beta 0, one
-optimizer step per batch, same seed; EOS ends a completion in both.
+optimizer step per batch, same seed. By default every completion is exactly L tokens long in
+both (rlmix: ``hf.stop_at_eos=false``; TRL: ``min_new_tokens=L``), so both generate and train
+on the same number of tokens whatever their random draws; ``--stop-at-eos`` lets EOS end a
+completion in both instead (then the two may do different amounts of work per step, and the
+tokens/s columns are the fairer comparison).
 
     python bench/vs_trl.py                         # every workload, 4 timed steps each
     python bench/vs_trl.py --workloads 1x8x32 --steps 30   # the reward-over-30-steps check
@@ -104,7 +108,8 @@ def rlmix_worker(args: argparse.Namespace) -> None:
         "train.eval_every=0", "train.checkpoint_every=0",
         f"sampling.temperature={args.temperature}",
         f"sampling.max_new_tokens={args.max_new_tokens}", f"policy.autocast={args.autocast}",
-        "grpo.beta=0.0", *args.rlmix_override])
+        "grpo.beta=0.0", f"hf.stop_at_eos={str(bool(args.stop_at_eos)).lower()}",
+        *args.rlmix_override])
     run = loop.build_run(cfg, extra_plugins={"benchtask": BenchTask()})
     phases = PhaseTimer(run) if args.profile else None
     reply({"ready": True, "threads": torch.get_num_threads()})
@@ -192,7 +197,8 @@ def trl_worker(args: argparse.Namespace) -> None:
         steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, beta=0.0, loss_type="grpo",
         shuffle_dataset=False, max_steps=args.total_steps + 1, disable_dropout=True,
-        dataloader_num_workers=0)
+        dataloader_num_workers=0,
+        generation_kwargs=None if args.stop_at_eos else {"min_new_tokens": args.max_new_tokens})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_correct, args=config,
@@ -273,6 +279,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             f"--total-steps={args.warmup + args.steps}", f"--lr={args.lr}",
             f"--seed={args.seed}", f"--temperature={args.temperature}",
             f"--autocast={args.autocast}", f"--out={args.out}/{workload}"]
+    argv += ["--stop-at-eos"] if args.stop_at_eos else []
     argv += [f"--rlmix-plugins={x}" for x in args.rlmix_plugins]
     argv += [f"--rlmix-override={x}" for x in args.rlmix_override]
     if args.profile:
@@ -327,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra rlmix plugins (e.g. fused_logprobs)")
     ap.add_argument("--rlmix-override", action="append", default=[],
                     help="extra rlmix manifest overrides (key=value)")
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="let EOS end completions (default: exactly L tokens each, same work)")
     ap.add_argument("--out", default="/tmp/rlmix-vs-trl")
     ap.add_argument("--json", help="write the summaries here")
     # worker-only arguments

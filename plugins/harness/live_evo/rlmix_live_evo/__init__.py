@@ -36,7 +36,7 @@ import math
 import random
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,8 +59,8 @@ class Settings:
     component: str = "system"  # harness component the retrieved memory is appended to
     header: str = "Experience from similar past tasks:"
     guideline_header: str = "Guidelines:"
-    k: int = 3  # experiences retrieved per prompt
-    guideline_k: int = 2  # guidelines shown per prompt
+    k: int = 2  # experiences retrieved per prompt
+    guideline_k: int = 1  # guidelines shown per prompt
     relevance: float = 8.0  # score = weight * exp(relevance * similarity); 0 = weight alone
     max_experiences: int = 64  # bank size; the lightest are dropped beyond it
     max_guidelines: int = 16
@@ -70,14 +70,15 @@ class Settings:
     baseline_value: float = 0.5  # baseline: fixed
     ema: float = 0.8  # baseline: ema, the weight of the old mean
     margin: float = 0.0  # a gain above this reinforces, anything else decays
-    reinforce: float = 1.5  # weight *= reinforce when the prompt it was shown to gained
-    decay: float = 0.6  # weight *= decay otherwise
+    reinforce: float = 1.25  # weight *= reinforce when the prompt it was shown to gained
+    decay: float = 0.5  # weight *= decay otherwise
     forget: float = 1.0  # every weight *= forget per step (1 = no passive forgetting)
     initial_weight: float = 1.0
     max_weight: float = 8.0
     prune_below: float = 0.25  # entries lighter than this are forgotten; 0 = never
     learn: bool = True  # false: weights never change (the ablation of the paper's update)
-    min_support: int = 2  # rule guidelines: a lesson shared by this many live experiences
+    dedup: float = 0.9  # a new lesson this similar (word Jaccard) to a live one merges into it
+    min_support: int = 2  # rule guidelines: a lesson seen on this many tasks
     induce_every: int = 1  # guideline induction every n evolve calls; 0 = no guidelines
     success_threshold: float = 0.5  # metric >= this is a success
     metric: str = ""  # reward term for gains and outcomes, e.g. arith.correct; "" = reward
@@ -110,6 +111,8 @@ class Settings:
             raise ValueError(f"initial_weight: need 0 <= prune_below < initial_weight <= "
                              f"max_weight, got {self.prune_below}, {self.initial_weight}, "
                              f"{self.max_weight}")
+        if not 0.0 < self.dedup <= 1.0:
+            raise ValueError(f"dedup: must be in (0, 1], got {self.dedup}")
         if self.text_chars < 16:
             raise ValueError(f"text_chars: must be >= 16, got {self.text_chars}")
 
@@ -197,9 +200,10 @@ def credit(bank: list[dict[str, Any]], shown: Sequence[tuple[Sequence[int], floa
                 e["weight"] = update_weight(float(e["weight"]), gain, s)
 
 
-def forget_and_prune(bank: list[dict[str, Any]], s: Settings, cap: int) -> list[int]:
+def forget_and_prune(bank: list[dict[str, Any]], s: Settings, cap: int
+                     ) -> list[dict[str, Any]]:
     """Passive forgetting, then drop entries under ``prune_below`` and the lightest (oldest
-    first among equals) beyond ``cap``; returns the dropped ids."""
+    first among equals) beyond ``cap``; returns the dropped entries."""
     if s.learn and s.forget < 1.0:
         for e in bank:
             e["weight"] *= s.forget
@@ -208,7 +212,7 @@ def forget_and_prune(bank: list[dict[str, Any]], s: Settings, cap: int) -> list[
         ranked = sorted(keep, key=lambda e: (e["weight"], e["id"]), reverse=True)
         keep = sorted(ranked[:cap], key=lambda e: e["id"])
     kept = {e["id"] for e in keep}
-    dropped = [int(e["id"]) for e in bank if e["id"] not in kept]
+    dropped = [e for e in bank if e["id"] not in kept]
     bank[:] = keep
     return dropped
 
@@ -275,18 +279,20 @@ def parse_lines(pattern: re.Pattern[str], text: str) -> list[str]:
 
 def rule_guidelines(experiences: Sequence[dict[str, Any]], existing: set[str], min_support: int,
                     min_weight: float) -> list[tuple[str, list[int]]]:
-    """Lessons shared by ``min_support`` experiences of weight ``>= min_weight`` from distinct
-    tasks, not yet guidelines: ``[(lesson, supporting ids)]``, by first appearance."""
-    support: dict[str, list[dict[str, Any]]] = {}
-    for e in experiences:
-        if e["weight"] >= min_weight:
-            support.setdefault(e["lesson"], []).append(e)
-    out = []
-    for lesson, items in support.items():
-        tasks = {e["task"] for e in items}
-        if len(tasks) >= min_support and lesson not in existing:
-            out.append((lesson, [int(e["id"]) for e in items]))
-    return out
+    """Lessons seen on ``min_support`` tasks (an experience counts the tasks merged into it)
+    whose experience weighs ``>= min_weight``, not yet guidelines: ``[(lesson, [id])]``."""
+    return [(e["lesson"], [int(e["id"])]) for e in experiences
+            if e["seen"] >= min_support and e["weight"] >= min_weight
+            and e["lesson"] not in existing]
+
+
+def find_duplicate(bank: Sequence[dict[str, Any]], lesson: str, threshold: float
+                   ) -> dict[str, Any] | None:
+    """The live experience whose lesson ``lesson`` nearly repeats (word Jaccard >= threshold)."""
+    best = max(bank, key=lambda e: similarity(e["lesson"], lesson), default=None)
+    if best is not None and similarity(best["lesson"], lesson) >= threshold:
+        return best
+    return None
 
 
 # ---------------------------------------------------------------- state
@@ -297,7 +303,8 @@ def state_of(run: Run) -> dict[str, Any]:
     if state is None:
         state = run.state[NAME] = {
             "experiences": [], "guidelines": [], "next_id": 0, "steps": 0, "ema": None,
-            "baseline_rollouts": 0, "pruned": 0, "distill_failed": 0, "last": {}, "log": []}
+            "baseline_rollouts": 0, "pruned": 0, "distill_failed": 0, "last": {}, "log": [],
+            "forgotten": []}
     return state
 
 
@@ -425,18 +432,19 @@ def distill(run: Run, batch: RolloutBatch, groups: dict[int, list[int]], values:
     else:
         lessons = [rule_lesson(ok, batch.texts[r], fb, s.text_chars) for r, ok, _, fb in picks]
     new = []
-    known = {(e["task"], e["lesson"]) for e in state["experiences"]}
     for (r, ok, task, _), lesson in zip(picks, lessons):
         if not lesson:
             state["distill_failed"] += 1
             continue
         lesson = cut(lesson, s.text_chars)
-        if (task, lesson) in known:
+        twin = find_duplicate(state["experiences"] + new, lesson, s.dedup)
+        if twin is not None:  # seen again: one more task for it, its weight stays as earned
+            twin["seen"] += int(task != twin["task"])
             continue
-        known.add((task, lesson))
         new.append({"id": _new_id(state), "task": task, "action": cut(batch.texts[r], s.text_chars),
                     "outcome": values[r], "success": ok, "lesson": lesson,
-                    "weight": s.initial_weight, "shown": 0, "helped": 0, "born": run.step})
+                    "weight": s.initial_weight, "shown": 0, "helped": 0, "seen": 1,
+                    "born": run.step})
     return new
 
 
@@ -497,6 +505,10 @@ def evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
     dropped = forget_and_prune(state["experiences"], s, s.max_experiences)
     dropped_gl = forget_and_prune(state["guidelines"], s, s.max_guidelines)
     state["pruned"] += len(dropped) + len(dropped_gl)
+    state["forgotten"] += [{"step": run.step, "id": e["id"], "text": e.get("lesson", e.get("text")),
+                            "weight": e["weight"], "shown": e["shown"], "helped": e["helped"]}
+                           for e in dropped + dropped_gl]
+    del state["forgotten"][:-100]
     induced = []
     if s.induce_every and (state["steps"] + 1) % s.induce_every == 0:
         induced = induce(run)
@@ -508,7 +520,8 @@ def evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
     state["last"] = {"gain": mean(gains), "helped": mean([float(x > s.margin) for x in gains]),
                      "credited": len(gains), "shown": mean([float(x) for x in shown]),
                      "accuracy": mean(values)}
-    state["log"].append({"step": run.step, "new": [e["id"] for e in new], "pruned": dropped,
+    state["log"].append({"step": run.step, "new": [e["id"] for e in new],
+                         "pruned": [e["id"] for e in dropped + dropped_gl],
                          "guidelines": [g["id"] for g in induced], **state["last"]})
     del state["log"][:-50]
     return None
@@ -523,7 +536,7 @@ def rlmix_configure(run: Run) -> None:
 
 
 @rlmix.hookimpl(wrapper=True)
-def rlmix_prompts(run: Run, step: int) -> Iterator[None]:
+def rlmix_prompts(run: Run, step: int) -> Generator[None, Any, Any]:
     prompts = yield
     if not prompts or _inside(run):
         return prompts

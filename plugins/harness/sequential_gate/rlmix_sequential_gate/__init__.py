@@ -217,7 +217,7 @@ def sequential_test(pairs: Iterator[tuple[float, float] | None] | Callable[[], A
                 raise ValueError(f"sequential_gate: score {x} is outside [score_low, score_high]"
                                  f" = [{s.score_low:g}, {s.score_high:g}]; set "
                                  "sequential_gate.score_low / score_high to the metric's range")
-        d = _clip((a - b), -1.0, 1.0)
+        d = _clip((a - b) / width, -1.0, 1.0)
         before.append(b)
         after.append(a)
         diffs.append(d)
