@@ -48,6 +48,7 @@ from rlmix.lm import LM, LMSettings, make_lm
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ahe"
+GATES = "rlmix.gates"
 DISTILL = ("rule", "lm")
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))"
@@ -63,6 +64,7 @@ class Settings:
     pass_threshold: float = 0.5  # a check task passes when its metric is >= this
     max_edits: int = 1  # edits applied per round (one component each)
     revert: bool = True  # revert edits whose prediction failed (false: record only, ablation)
+    gate: bool = False  # a held prediction must also pass run.resources["rlmix.gates"], if any
     distill: str = "rule"  # rule (feedback patterns) | lm (the LM also writes one-line lessons)
     evidence_per_step: int = 8  # trajectories of the step's batch distilled per round
     corpus_size: int = 24  # distinct evidence items kept (oldest, rarest dropped first)
@@ -126,13 +128,13 @@ def parse_prediction(text: str, n_tasks: int, inputs: Sequence[str] = ()) -> lis
             raise PredictionError(f"cannot check {clause!r}")
         if kind == "mean_gain":
             d = float(found.group(1))
-            if not 0.0 < d <= 1.0:
-                raise PredictionError(f"{clause!r}: the rise must be in (0, 1]")
+            if not d > 0.0:
+                raise PredictionError(f"{clause!r}: the rise must be > 0")
             out.append({"kind": kind, "delta": d})
         elif kind == "mean_floor":
             d = float(found.group(1) or 0.0)
-            if not 0.0 <= d < 1.0:
-                raise PredictionError(f"{clause!r}: the allowed drop must be in [0, 1)")
+            if not d >= 0.0:
+                raise PredictionError(f"{clause!r}: the allowed drop must be >= 0")
             out.append({"kind": kind, "delta": d})
         elif kind == "pass":
             ids = sorted({int(x) for x in re.findall(r"c(\d+)", found.group(1))})
@@ -146,8 +148,8 @@ def parse_prediction(text: str, n_tasks: int, inputs: Sequence[str] = ()) -> lis
             match = [k for k, x in enumerate(inputs) if needle in x.lower()]
             if not match:
                 raise PredictionError(f"{clause!r}: no check task matches {needle!r}")
-            if not 0.0 < d <= 1.0:
-                raise PredictionError(f"{clause!r}: the rise must be in (0, 1]")
+            if not d > 0.0:
+                raise PredictionError(f"{clause!r}: the rise must be > 0")
             out.append({"kind": kind, "match": needle, "tasks": match, "delta": d})
         else:
             out.append({"kind": kind})
@@ -227,7 +229,7 @@ def signature(trace: dict[str, Any]) -> tuple[str, str]:
     (or reward terms when there is none) with numbers masked."""
     kind = "success" if trace["score"] > 0.5 else "failure"
     text = trace.get("feedback") or trace.get("terms") or ""
-    return kind, re.sub(r"\d+(?:\.\d+)?", "#", text).strip()
+    return kind, re.sub(r"-?\d+(?:\.\d+)?", "#", text).strip()
 
 
 def add_evidence(corpus: list[dict], items: Sequence[dict], step: int, cap: int) -> None:
@@ -375,7 +377,7 @@ def init_state(run: Run) -> dict[str, Any]:
         "components": names, "tasks": [list(t) for t in tasks],
         "versions": {c: [{"v": 0, "text": run.harness[c], "why": "seed"}] for c in names},
         "round": 0, "open": [], "ledger": [], "corpus": [], "next_edit": 0,
-        "metric_calls": 0, "seed_mean": None, "last_mean": None, "scores": [],
+        "metric_calls": 0, "seed_mean": None, "last_mean": None, "scores": [], "last_reply": "",
         "counts": {"proposed": 0, "applied": 0, "kept": 0, "reverted": 0, "rejected": 0,
                    "failed_kept": 0, "superseded": 0}}
     return state
@@ -414,6 +416,11 @@ def verify(run: Run, scores: list[float], harness: dict[str, str]) -> list[str]:
             continue
         held, detail = check_prediction(edit["clauses"], edit["baseline"], scores,
                                         s.pass_threshold)
+        gates = run.resources.get(GATES) if s.gate else None
+        if held and gates is not None:  # e.g. the flip gate, or the sequential gate
+            verdict = gates.check(edit["baseline"], scores)
+            if not verdict.passed:
+                held, detail = False, f"{detail}; the gate refused: {verdict.reason}"
         entry["checked_round"] = state["round"]
         if held:
             entry["status"], entry["outcome"] = "kept", f"held ({detail})"
@@ -470,6 +477,7 @@ def propose(run: Run, harness: dict[str, str], scores: list[float],
                                state["ledger"][-s.show_ledger:] if s.show_ledger else [],
                                s.max_edits)
     reply = _lm(run).complete(prompt, s.lm.max_new_tokens, s.lm.temperature)
+    state["last_reply"] = reply[:2000]  # for the audit: what the LM said this round
     inputs = [r["input"] for r in check_rows]
     applied: dict[str, str] = {}
     for edit in parse_edits(reply):

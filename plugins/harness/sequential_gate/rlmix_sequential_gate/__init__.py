@@ -214,9 +214,9 @@ def sequential_test(pairs: Iterator[tuple[float, float] | None] | Callable[[], A
         b, a = (float(x) for x in pair)
         for x in (b, a):
             if not s.score_low - 1e-9 <= x <= s.score_high + 1e-9:
-                raise ValueError(f"sequential_gate: score {x} is outside [score_low, score_high]"
-                                 f" = [{s.score_low:g}, {s.score_high:g}]; set "
-                                 "sequential_gate.score_low / score_high to the metric's range")
+                raise rlmix.ConfigError(
+                    f"sequential_gate.score_low / score_high: score {x} is outside "
+                    f"[{s.score_low:g}, {s.score_high:g}]; set them to the metric's range")
         d = _clip((a - b) / width, -1.0, 1.0)
         before.append(b)
         after.append(a)

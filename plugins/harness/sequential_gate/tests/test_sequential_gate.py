@@ -136,7 +136,7 @@ def test_curtailment_futility_and_the_end_rule():
     d = sequential_test(iter([(1.0, 0.0)] * 100), Settings(futility_beta=0.1))
     assert d.decision == "futility" and d.samples < 12
     # scores must lie in the declared range
-    with pytest.raises(ValueError, match="score_low"):
+    with pytest.raises(rlmix.ConfigError, match="sequential_gate.score_low"):
         sequential_test(iter([(0.0, 2.0)]), Settings())
     assert sequential_test(iter([(0.0, 2.0)] * 20),
                            Settings(score_high=2.0, max_bet=0.6)).passed
