@@ -23,6 +23,20 @@ evolving the ``instructions`` component from a deliberately weak seed. Both opti
 Held-out accuracy is measured for the seed and for each optimizer's best candidate on the
 held-out tasks (these rollouts are not counted against either budget). Requires
 ``pip install gepa==0.1.4`` (not needed by the test suite).
+
+``--compare flash`` instead compares rlmix's synchronous GEPA (``rlmix_gepa.iterate`` until no
+iteration fits) with ``flash_evolve`` (GEPA's stages as asynchronous workers, the whole budget
+in one ``evolve`` call) on the same tasks, task model, reflection model and budget, and reports
+proposals per second (mutation proposals decided / search seconds), the final selection score
+of each one's best candidate, and its held-out accuracy:
+
+    python bench/harness.py --compare flash                     # reflection: a 2nd SmolLM2 copy
+    python bench/harness.py --compare flash --reflect-source policy
+    python bench/harness.py --compare flash --model tiny-random --budget 30 --heldout 8
+
+With ``--reflect-source local`` (the default here) the reflection model is a second in-process
+copy of the model, so reflection can overlap the task model's rollouts; with ``policy`` it is
+the task model itself and flash_evolve serialises the two under its generation lock.
 """
 
 from __future__ import annotations
@@ -158,8 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench-harness")
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--compare", choices=("package", "flash"), default="package",
+                   help="package: the PyPI gepa package; flash: flash_evolve (asynchronous)")
+    p.add_argument("--reflect-source", choices=("local", "policy"), default="local",
+                   help="--compare flash: the reflection model, a second copy or the policy")
+    p.add_argument("--reflect-workers", type=int, default=2, help="--compare flash")
+    p.add_argument("--staleness", default="update", help="--compare flash: update|discard|patch")
     args = p.parse_args(argv)
     random.seed(args.seed)
+    if args.compare == "flash":
+        return compare_flash(args)
 
     t0 = time.perf_counter()
     run = build(args, Path(args.out))
@@ -197,6 +219,118 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "seed_heldout": seed_acc, "rlmix": {**ours, "heldout": ours_acc},
             "package": {**theirs, "heldout": theirs_acc}}, indent=1, default=str))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+# ---------------------------------------------------------------- --compare flash
+
+SEARCH_KEYS = ("budget", "search_size", "selection_size", "heldout_size", "minibatch_size",
+               "max_new_tokens", "seed")
+
+
+def build_flash(args: argparse.Namespace, out: Path) -> Any:
+    """One run holding both plugins with the same search settings and reflection model."""
+    from rlmix import loop, manifest
+
+    values = {"budget": args.budget, "search_size": args.search,
+              "selection_size": args.selection, "heldout_size": args.heldout,
+              "minibatch_size": args.minibatch, "max_new_tokens": args.max_new_tokens,
+              "seed": args.seed}
+    lm = [f"lm.source={args.reflect_source}", f"lm.max_new_tokens={args.reflect_tokens}",
+          f"lm.temperature={args.reflect_temperature}"]
+    if args.reflect_source == "local":
+        lm.append(f"lm.model={args.model}")
+    over = [f"model={args.model}", "plugins=[hf,arith,grpo,gepa,flash_evolve]", f"out={out}",
+            "log.progress=false", f"harness.instructions={SEED_INSTRUCTIONS}",
+            f"train.prompts_per_step={args.per_step}", f"policy.threads={args.threads}",
+            f"flash_evolve.staleness={args.staleness}",
+            f"flash_evolve.reflect_workers={args.reflect_workers}",
+            "flash_evolve.proposals_per_step=0"]
+    for name in ("gepa", "flash_evolve"):
+        over += [f"{name}.{k}={values[k]}" for k in SEARCH_KEYS]
+        over += [f"{name}.{x}" for x in lm]
+        over += [f"{name}.components=[instructions]", f"{name}.metric=arith.correct",
+                 f"{name}.merge=true", f"{name}.max_merges=5"]
+    cfg = manifest.read(MANIFEST, over)
+    del cfg["gates"]
+    run = loop.build_run(cfg)
+    if args.reflect_source == "local":  # one reflection copy, shared: the same model for both
+        run.resources["flash_evolve.lm"] = run.resources["gepa.lm"] = \
+            run.resources[f"rlmix.lm.local:{args.model}"]
+    return run
+
+
+def _mutations(state: dict[str, Any]) -> int:
+    return sum(1 for h in state["history"] if h["kind"] == "mutation")
+
+
+def run_flash(run: Any) -> dict[str, Any]:
+    import rlmix_flash_evolve
+
+    t0 = time.perf_counter()
+    rlmix_flash_evolve.evolve(run, 0)  # the seed, then the whole budget
+    seconds = time.perf_counter() - t0
+    rlmix_flash_evolve.close(run)
+    state = run.state["flash_evolve"]
+    best = state["applied"]
+    for h in state["history"]:
+        print(f"  flash {h['kind']} {h.get('index', '')}: parent {h.get('parent')}, pool "
+              f"v{h.get('version', '-')}->v{h.get('pool_version', '-')} "
+              f"({h.get('staleness', '-')}), accepted {h.get('accepted')}, "
+              f"{h['metric_calls']} calls, proposal {str(h.get('proposal', ''))[:60]!r}")
+    return {"best": dict(state["candidates"][best]), "calls": state["metric_calls"],
+            "seconds": seconds, "proposals": _mutations(state),
+            "selection": sum(state["scores"][best]) / len(state["scores"][best]),
+            "seed_selection": sum(state["scores"][0]) / len(state["scores"][0]),
+            "candidates": len(state["candidates"]), "stale": dict(state["stale"]),
+            "accepted": sum(1 for h in state["history"] if h.get("accepted"))}
+
+
+def compare_flash(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    run = build_flash(args, Path(args.out))
+    print(f"model {args.model} loaded (task model + {args.reflect_source} reflection) in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    seed = {"instructions": SEED_INSTRUCTIONS}
+    sync = run_rlmix(run)  # rlmix_gepa.iterate until no iteration fits
+    g = run.state["gepa"]
+    best = g["applied"]
+    sync.update(proposals=_mutations(g), selection=sum(g["scores"][best]) / len(g["scores"][best]),
+                seed_selection=sum(g["scores"][0]) / len(g["scores"][0]))
+    print(f"sync gepa: {sync['proposals']} proposals, {sync['calls']} calls, "
+          f"{sync['seconds']:.0f} s", flush=True)
+    run.harness.clear()
+    run.harness.update({**dict(run.config.harness), **seed})  # flash starts from the seed too
+    flash = run_flash(run)
+    print(f"flash_evolve: {flash['proposals']} proposals, {flash['calls']} calls, "
+          f"{flash['seconds']:.0f} s", flush=True)
+    assert run.state["flash_evolve"]["tasks"] == g["tasks"], "the two searches' tasks differ"
+    heldout = g["tasks"]["heldout"]
+    accs = {name: heldout_accuracy(run, cand, heldout) if heldout else float("nan")
+            for name, cand in (("seed", seed), ("sync", sync["best"]),
+                               ("flash", flash["best"]))}
+    print(f"\nsame budget ({args.budget} metric calls), tasks, task model {args.model}, "
+          f"reflection {args.reflect_source} (max {args.reflect_tokens} tokens); "
+          f"held-out: {len(heldout)} tasks never searched on\n")
+    print("| optimizer | proposals | search time (s) | proposals/s | metric calls | "
+          "best selection | held-out accuracy |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| seed | - | - | - | - | {sync['seed_selection']:.3f} | {accs['seed']:.3f} |")
+    for name, r, key in (("rlmix gepa (synchronous)", sync, "sync"),
+                         (f"flash_evolve ({args.staleness}, {args.reflect_workers} reflectors)",
+                          flash, "flash")):
+        print(f"| {name} | {r['proposals']} | {r['seconds']:.0f} | "
+              f"{r['proposals'] / r['seconds']:.3f} | {r['calls']} | {r['selection']:.3f} | "
+              f"{accs[key]:.3f} |")
+    ratio = (flash["proposals"] / flash["seconds"]) / (sync["proposals"] / sync["seconds"])
+    print(f"\nthroughput ratio flash/sync: {ratio:.2f}; stale proposals {flash['stale']}")
+    print(f"best instructions, sync:  {sync['best']['instructions']!r}")
+    print(f"best instructions, flash: {flash['best']['instructions']!r}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "heldout": accs,
+                                               "sync": sync, "flash": flash, "ratio": ratio},
+                                              indent=1, default=str))
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

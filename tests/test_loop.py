@@ -173,3 +173,28 @@ def test_default_optimizer_is_fused_adamw_with_the_per_tensor_update():
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert not torch.equal(p.detach(), torch.zeros_like(p))
+
+
+def test_run_end_is_called_once_after_the_last_step_and_on_a_crash(tmp_path):
+    calls: list[tuple[str, int]] = []
+
+    class Closer:
+        @rlmix.hookimpl
+        def rlmix_run_end(self, run):
+            calls.append(("end", run.step))
+
+    class Crash:
+        @rlmix.hookimpl
+        def rlmix_step_end(self, run, metrics):
+            if run.step == 2:
+                raise RuntimeError("boom")
+
+    run = _run(tmp_path / "ok", {"closer": Closer()}, "train.steps=2", "train.eval_every=0")
+    loop.train(run)
+    assert calls == [("end", 2)]
+    calls.clear()
+    run = _run(tmp_path / "crash", {"closer": Closer(), "crash": Crash()}, "train.steps=4",
+               "train.eval_every=0")
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.train(run)
+    assert calls == [("end", 2)]

@@ -181,6 +181,16 @@ def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
     """
 
 
+@hookspec
+def rlmix_run_end(run: Run) -> None:
+    """Called once when ``rlmix.loop.train`` ends: after the last step, or on an exception or
+    Ctrl-C, after the asynchronous sampler has stopped and before the logger closes.
+
+    For plugins that hold threads, processes or open files (a background evolution pipeline,
+    a service): stop and release them here. Must not raise; the run's state is already final.
+    """
+
+
 @hookspec(firstresult=True)
 def rlmix_token_logprobs(
     run: Run, hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor

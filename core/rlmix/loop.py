@@ -293,6 +293,7 @@ def train(run: Run) -> dict[str, Any]:
         try:
             if own_sampler:
                 async_sampling.stop(run)  # joins the worker, also on an exception or Ctrl-C
+            run.hook.rlmix_run_end(run=run)  # plugins stop their threads, close their files
         finally:
             _observer(run).close(run)
     return last

@@ -241,7 +241,8 @@ def plugin_section(info: Any) -> list[str]:
 #: the order hooks are called in one training step (DESIGN §2), then the rest
 HOOK_ORDER = ("rlmix_configure", "rlmix_prompts", "rlmix_sample", "rlmix_generate",
               "rlmix_episode", "rlmix_score", "rlmix_advantage", "rlmix_token_logprobs",
-              "rlmix_clip", "rlmix_update", "rlmix_evolve", "rlmix_evaluate", "rlmix_step_end")
+              "rlmix_clip", "rlmix_update", "rlmix_evolve", "rlmix_evaluate", "rlmix_step_end",
+              "rlmix_run_end")
 
 
 def hooks_markdown() -> str:
@@ -306,4 +307,5 @@ _WHEN = {
     "rlmix_evolve": "each step, after the updates",
     "rlmix_evaluate": "at the start, every `train.eval_every` steps, at the end",
     "rlmix_step_end": "each step, last",
+    "rlmix_run_end": "once, when `train` ends (also on an exception)",
 }

@@ -49,7 +49,7 @@ from rlmix_gepa import (
 
 import rlmix
 from rlmix.harness import Task, mean, score_tasks, task_pool, traces
-from rlmix.lm import LM, PolicyLM, make_lm
+from rlmix.lm import LM, PolicyLM, TransformersLM, make_lm
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"
@@ -182,10 +182,11 @@ def resolve_stale(policy: str, stamped_version: int, pool_version: int, parent: 
 
 
 def worst_case(settings: Settings, selection: int) -> int:
-    """Metric calls one proposal may spend: parent, child (and with ``update``/``patch`` a
-    stale proposal's base) on the minibatch, then an accepted child on the selection set."""
-    runs = 2 if settings.staleness == "discard" else 3
-    return runs * settings.minibatch_size + selection
+    """Metric calls a proposal reserves before it starts, as GEPA's iteration: parent and
+    child on the minibatch, then an accepted child on the selection set. A stale proposal that
+    is re-based reserves one more minibatch when it is decided (or is dropped when that does
+    not fit)."""
+    return 2 * settings.minibatch_size + selection
 
 
 # ---------------------------------------------------------------- state (GEPA's layout)
@@ -265,6 +266,7 @@ class Artifact:
     component: str
     minibatch: list[Task]
     reservation: Reservation
+    extra: Reservation | None = None  # the re-base minibatch of a stale proposal
     parent_scores: list[float] = field(default_factory=list)
     prompt: str = ""
     proposal: str = ""
@@ -280,6 +282,9 @@ class Pipeline:
         self.state = state  # mutated only by the evaluator (and the main thread while closed)
         self.lm = lm
         self.lm_locked = isinstance(lm, PolicyLM)  # the policy generates: same lock as rollouts
+        # one in-process model serves one generate call at a time (reflectors take turns on
+        # it, still beside the task model's rollouts); http and other LMs are called at once
+        self.lm_turn = threading.Lock() if isinstance(lm, TransformersLM) else None
         self.budget = Budget(self.s.budget, state["metric_calls"])
         self.pool_lock = threading.Lock()
         self.gen = threading.Lock()
@@ -450,7 +455,8 @@ class Pipeline:
             except queue.Empty:
                 continue
             try:
-                with self.generation() if self.lm_locked else contextlib.nullcontext():
+                with self.generation() if self.lm_locked else contextlib.nullcontext(), \
+                        self.lm_turn or contextlib.nullcontext():
                     reply = self.lm.complete(art.prompt, s.lm.max_new_tokens, s.lm.temperature)
             except Stopped:
                 art.reservation.close()
@@ -469,7 +475,10 @@ class Pipeline:
                 record = self._decide(art)
             finally:
                 art.reservation.close()
-            self._record(record, art.reservation.charged)
+                if art.extra is not None:
+                    art.extra.close()
+            self._record(record, art.reservation.charged
+                         + (art.extra.charged if art.extra is not None else 0))
             if record.get("accepted") and self.s.merge:
                 self._try_merge(art.index)
             with self.cond:
@@ -513,11 +522,17 @@ class Pipeline:
         if d.child == best_texts or d.child == art.parent_texts:
             record["accepted"], record["why"] = False, "no new text proposed"
             return record
+        if d.base is not None:
+            art.extra = self.budget.reserve(self.s.minibatch_size)
+            if art.extra is None:
+                record["accepted"] = False
+                record["why"] = f"{d.why}; no budget left to re-base it: dropped"
+                return record
         c_scores, _ = self.evaluate(d.child, art.minibatch, art.reservation)
         record["child_minibatch"] = sum(c_scores)
         bar = sum(art.parent_scores) if d.action != "patch" else float("-inf")
         if d.base is not None:
-            b_scores, _ = self.evaluate(best_texts, art.minibatch, art.reservation)
+            b_scores, _ = self.evaluate(best_texts, art.minibatch, art.extra)
             record["base"], record["base_minibatch"] = d.base, sum(b_scores)
             bar = max(bar, sum(b_scores))
         if not sum(c_scores) > bar:
@@ -751,3 +766,12 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     if str(best) in state["heldout"]:
         metrics[f"{NAME}/heldout"] = state["heldout"][str(best)]
         metrics[f"{NAME}/seed_heldout"] = state["heldout"]["0"]
+
+
+@rlmix.hookimpl
+def rlmix_run_end(run: Run) -> None:
+    # the run ended (normally, or by an exception mid-step): no worker outlives it
+    try:
+        close(run)
+    except FlashEvolveError as err:  # run_end must not raise; say what was left behind
+        print(f"rlmix: warning: {err}")
