@@ -180,8 +180,9 @@ def rule_workflow(template: str, outputs: Sequence[str]) -> tuple[str, list[str]
     (abstracted) response that passed."""
     title = template.strip().replace("\n", " ")[:160]
     steps = [f"Task: {title}"]
-    if outputs:
-        steps.append(f"A response that passed: {abstract(outputs[0]).strip()[:200]}")
+    shown = next((o for o in outputs if o.strip()), "")
+    if shown:
+        steps.append(f"A response that passed: {abstract(shown).strip()[:200]}")
     return title, steps
 
 
