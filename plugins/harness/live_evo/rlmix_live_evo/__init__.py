@@ -344,16 +344,17 @@ def with_memory(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
     prompt's messages without memory."""
     s = run.settings(NAME)
     state = state_of(run)
-    by_exp = {int(e["id"]): e for e in state["experiences"]}
-    by_gl = {int(g["id"]): g for g in state["guidelines"]}
+    # snapshots: an async sampler builds prompts while the trainer's evolve edits the banks
+    exps, guides = list(state["experiences"]), list(state["guidelines"])
+    by_exp = {int(e["id"]): e for e in exps}
+    by_gl = {int(g["id"]): g for g in guides}
     rendered: dict[str, list[Prompt]] = {}
     out = []
     for i, p in enumerate(prompts):
         task = user_text(p)
         rng = random.Random(f"{NAME}-{s.seed}-{step}-{i}")
-        shown = retrieve(state["experiences"], task, s.k, s.relevance, rng) if s.k else []
-        gls = (top_guidelines(state["guidelines"], task, s.guideline_k, s.relevance)
-               if s.guideline_k else [])
+        shown = retrieve(exps, task, s.k, s.relevance, rng) if s.k else []
+        gls = top_guidelines(guides, task, s.guideline_k, s.relevance) if s.guideline_k else []
         record = {"shown": shown, "guidelines": gls, "task": cut(task, s.text_chars),
                   "plain": [dict(m) for m in p.messages]}
         block = render([by_exp[j] for j in shown], [by_gl[j] for j in gls], s.header,
@@ -418,7 +419,7 @@ def distill(run: Run, batch: RolloutBatch, groups: dict[int, list[int]], values:
     s = run.settings(NAME)
     state = state_of(run)
     picks = []
-    for g, rows in list(groups.items())[:s.new_per_step]:
+    for rows in list(groups.values())[:s.new_per_step]:
         best = max(rows, key=lambda r: (values[r], -r))
         success = values[best] >= s.success_threshold
         meta = batch.prompts[best].info.get(NAME) or {}
