@@ -128,3 +128,36 @@ def test_mode_settings_are_checked(override, match):
     cfg = manifest.read(None, ["plugins=[hf]", override])
     with pytest.raises(rlmix.ManifestError, match=match):
         manifest.validate_core(cfg)
+
+
+def test_routing_and_retrieval_wrappers_run_under_the_async_sampler(tmp_path):
+    """A wrapper on rlmix_prompts that renders prompts under other harnesses (auto_harness's
+    routing, live_evo's retrieval) runs inside the async worker, which already holds the
+    sampler's pause lock: the lock must be re-entrant, or the run deadlocks."""
+    import subprocess
+    import sys
+
+    from .conftest import cli_env
+
+    runs = {
+        "auto_harness": (EXAMPLES / "auto_harness-stream.yaml",
+                         ["auto_harness.max_new_tokens=4", "auto_harness.lm.max_new_tokens=8",
+                          "stream.eval_size=0"]),
+        "live_evo": (EXAMPLES / "live_evo-arith.yaml",
+                     ["live_evo.max_new_tokens=4", "arith.eval_size=0"]),
+    }
+    for name, (path, extra) in runs.items():
+        needs(path)
+        out = tmp_path / name
+        args = [sys.executable, "-m", "rlmix", "run", str(path), "model=tiny-random",
+                "train.steps=3", "train.prompts_per_step=2", "sampling.max_new_tokens=4",
+                "train.max_staleness=1", "train.eval_every=0", "train.checkpoint_every=0",
+                "log.progress=false", "log.plot=false", f"out={out}", *extra]
+        try:
+            done = subprocess.run(args, env=cli_env(), capture_output=True, text=True,
+                                  timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} under train.max_staleness=1 did not finish in 180 s (deadlock)")
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3]

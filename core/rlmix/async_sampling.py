@@ -93,7 +93,10 @@ class AsyncSampler:
         self.lead = self.max_staleness // updates_per_step(run)  # steps the worker may run ahead
         self.last_step = int(run.config.train.steps) if last_step is None else int(last_step)
         self.weights_lock = threading.RLock()
-        self._pause_lock = threading.Lock()  # held by the worker during a generation call
+        # held by the worker during a generation call; re-entrant, because a wrapper on
+        # rlmix_prompts running in the worker (routing, retrieval) renders prompts under other
+        # harnesses through rlmix.harness.prompts_under, which pauses the sampler again
+        self._pause_lock = threading.RLock()
         self._cond = threading.Condition()
         self._buffer: dict[int, _Item] = {}
         self._next_step = run.step  # the next step the worker samples

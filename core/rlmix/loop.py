@@ -215,9 +215,12 @@ def train_step(run: Run) -> dict[str, Any]:
             loss_metrics.setdefault(k, []).append(float(v))
     t_train = time.perf_counter()
     evolve_now = (run.step + 1) % max(1, int(run.config.train.evolve_every)) == 0
-    for update in (hook.rlmix_evolve(run=run, batch=batch) if evolve_now else []):
-        if update is not None:
-            apply_harness_update(run, update)
+    # the async worker renders prompts from run.harness: it waits while harnesses evolve
+    sampler = run.async_sampler
+    with sampler.paused() if (evolve_now and sampler is not None) else contextlib.nullcontext():
+        for update in (hook.rlmix_evolve(run=run, batch=batch) if evolve_now else []):
+            if update is not None:
+                apply_harness_update(run, update)
     run.step += 1
     comp = batch.completion_mask
     metrics: dict[str, Any] = {
