@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -129,3 +130,46 @@ def traces(batch: RolloutBatch, scores: Sequence[float], chars: int = 400
 
 def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+# ---------------------------------------------------------------- for plugin authors
+
+
+def reflection_lm(run: Run, owner: str) -> Any:
+    """Plugin ``owner``'s reflection model (``rlmix.lm``, from its ``lm`` settings block), made
+    once and kept in ``run.resources["<owner>.lm"]`` (where tests put a scripted one)."""
+    from rlmix.lm import make_lm
+
+    key = f"{owner}.lm"
+    lm = run.resources.get(key)
+    if lm is None:
+        lm = run.resources[key] = make_lm(run, run.settings(owner).lm, owner)
+    return lm
+
+
+def _rendering_threads(run: Run, owner: str) -> set[int]:
+    return run.resources.setdefault(f"{owner}.rendering", set())
+
+
+@contextlib.contextmanager
+def rendering(run: Run, owner: str) -> Iterator[bool]:
+    """Marks this thread as inside ``owner``'s own rendering of prompts, so that ``owner``'s
+    wrapper on ``rlmix_prompts`` lets the env's prompts through untouched meanwhile (a routing or
+    retrieval wrapper re-renders prompts through ``prompts_under``, which calls the hook again).
+    Yields False when the thread was already inside. Per thread: the async sampler's worker
+    renders on its own thread."""
+    threads = _rendering_threads(run, owner)
+    me = threading.get_ident()
+    if me in threads:
+        yield False
+        return
+    threads.add(me)
+    try:
+        yield True
+    finally:
+        threads.discard(me)
+
+
+def inside_rendering(run: Run, owner: str) -> bool:
+    """Whether this thread is inside ``owner``'s ``rendering`` block."""
+    return threading.get_ident() in _rendering_threads(run, owner)

@@ -33,8 +33,8 @@ from typing import Any
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import score_tasks, task_pool, user_text
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.harness import reflection_lm, score_tasks, task_pool, user_text
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ace"
@@ -295,10 +295,7 @@ def curator_prompt(book: dict[str, Any], lessons: list[str], max_ops: int) -> st
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get("ace.lm")
-    if lm is None:
-        lm = run.resources["ace.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def state_of(run: Run) -> dict[str, Any]:

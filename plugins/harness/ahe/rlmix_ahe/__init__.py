@@ -40,11 +40,12 @@ from rlmix.harness import (
     generate_scored,
     mean,
     metric_values,
+    reflection_lm,
     score_tasks,
     task_pool,
     traces,
 )
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ahe"
@@ -384,10 +385,7 @@ def init_state(run: Run) -> dict[str, Any]:
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get("ahe.lm")
-    if lm is None:
-        lm = run.resources["ahe.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def run_checks(run: Run, harness: dict[str, str]) -> tuple[list[float], RolloutBatch]:

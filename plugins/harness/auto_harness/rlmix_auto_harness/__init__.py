@@ -34,12 +34,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import Task, mean, prompts_under, score_tasks, traces, user_text
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.harness import (
+    Task,
+    inside_rendering,
+    mean,
+    prompts_under,
+    reflection_lm,
+    rendering,
+    score_tasks,
+    traces,
+    user_text,
+)
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "auto_harness"
-BUSY = "auto_harness.busy"  # set while this plugin renders prompts itself: no routing then
 _TOKEN = re.compile(r"[a-z]+\d*|\d+|[+\-*/=×÷]")
 _FENCE = re.compile(r"```[^\n`]*\n?(.*?)```", re.S)
 
@@ -204,10 +213,7 @@ def node_harness(run: Run, node: dict[str, Any]) -> dict[str, str]:
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get("auto_harness.lm")
-    if lm is None:
-        lm = run.resources["auto_harness.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def _run_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task]
@@ -215,13 +221,10 @@ def _run_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task]
     if not tasks:
         return [], None
     s = run.settings(NAME)
-    run.resources[BUSY] = True
-    try:
+    with rendering(run, NAME):
         scores, batch = score_tasks(run, harness, tasks, temperature=s.temperature,
                                     max_new_tokens=s.max_new_tokens or None, metric=s.metric,
                                     owner=NAME)
-    finally:
-        run.resources[BUSY] = False
     run.state[NAME]["metric_calls"] += len(tasks)
     return scores, batch
 
@@ -253,12 +256,9 @@ def route_prompts(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
         chosen = prompt
         if state["nodes"][node]["texts"] != {c: run.harness.get(c) for c in state["components"]}:
             if node not in rendered:
-                run.resources[BUSY] = True
-                try:
+                with rendering(run, NAME):
                     harness = node_harness(run, state["nodes"][node])
                     rendered[node] = prompts_under(run, harness, [step])[step]
-                finally:
-                    run.resources[BUSY] = False
             chosen = rendered[node][i]
         chosen.info = {**chosen.info, NAME: {"node": node, "task": [int(step), i]}}
         out.append(chosen)
@@ -430,7 +430,6 @@ def rlmix_configure(run: Run) -> None:
               "block is empty (give the components' starting texts there)")
     if NAME not in run.state:
         init_state(run)
-    run.resources[BUSY] = False
     if s.lm.source != "policy":
         _lm(run)  # load or connect now, so a bad model or URL fails before the first step
 
@@ -439,7 +438,7 @@ def rlmix_configure(run: Run) -> None:
 def rlmix_prompts(run: Run, step: int) -> Generator[None, list[Prompt] | None,
                                                     list[Prompt] | None]:
     prompts = yield
-    if not prompts or run.resources.get(BUSY) or not run.settings(NAME).split:
+    if not prompts or inside_rendering(run, NAME) or not run.settings(NAME).split:
         return prompts
     return route_prompts(run, step, list(prompts))
 

@@ -30,12 +30,10 @@ the reflection LM) and change one field. State lives in ``run.state["evolve_mem"
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
-import threading
 from collections import Counter
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +42,16 @@ from rlmix import loop
 from rlmix.harness import (
     Task,
     generate_scored,
+    inside_rendering,
     mean,
     metric_values,
     prompts_under,
+    reflection_lm,
+    rendering,
     task_pool,
     user_text,
 )
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "evolve_mem"
@@ -322,25 +323,9 @@ def state_of(run: Run) -> dict[str, Any]:
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get(f"{NAME}.lm")
-    if lm is None:
-        lm = run.resources[f"{NAME}.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
-@contextlib.contextmanager
-def _rendering(run: Run) -> Iterator[None]:
-    inside = run.resources.setdefault(_RENDERING, set())
-    me = threading.get_ident()
-    inside.add(me)
-    try:
-        yield
-    finally:
-        inside.discard(me)
-
-
-def _inside(run: Run) -> bool:
-    return threading.get_ident() in run.resources.get(_RENDERING, set())
 
 
 def with_memory(run: Run, step: int, prompts: list[Prompt], config: dict[str, Any]
@@ -364,7 +349,7 @@ def with_memory(run: Run, step: int, prompts: list[Prompt], config: dict[str, An
                 where = str(config["placement"])
                 base = run.harness.get(where, "")
                 harness = {**run.harness, where: f"{base}\n\n{block}".strip()}
-                with _rendering(run):
+                with rendering(run, NAME):
                     rendered[block] = prompts_under(run, harness, [step])[step]
             if i >= len(rendered[block]):
                 raise RuntimeError(f"evolve_mem: the env returned {len(rendered[block])} prompts "
@@ -390,7 +375,7 @@ def evaluate(run: Run, config: dict[str, Any]) -> tuple[float, list[dict[str, An
     s = run.settings(NAME)
     tasks = eval_tasks(run)
     prompts: list[Prompt] = []
-    with _rendering(run):
+    with rendering(run, NAME):
         plain = prompts_under(run, dict(run.harness), sorted({t[0] for t in tasks}))
     for step in sorted(plain):
         wanted = [i for st, i in tasks if st == step]
@@ -534,7 +519,7 @@ def rlmix_configure(run: Run) -> None:
 @rlmix.hookimpl(wrapper=True)
 def rlmix_prompts(run: Run, step: int) -> Generator[None, Any, Any]:
     prompts = yield
-    if not prompts or _inside(run):
+    if not prompts or inside_rendering(run, NAME):
         return prompts
     return with_memory(run, int(step), list(prompts), state_of(run)["config"])
 

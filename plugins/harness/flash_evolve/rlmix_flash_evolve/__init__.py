@@ -48,8 +48,8 @@ from rlmix_gepa import (
 )
 
 import rlmix
-from rlmix.harness import Task, mean, score_tasks, task_pool, traces
-from rlmix.lm import LM, PolicyLM, TransformersLM, make_lm
+from rlmix.harness import Task, mean, reflection_lm, score_tasks, task_pool, traces
+from rlmix.lm import LM, PolicyLM, TransformersLM
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"
@@ -610,10 +610,7 @@ class Pipeline:
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get(f"{NAME}.lm")
-    if lm is None:
-        lm = run.resources[f"{NAME}.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def pipeline(run: Run) -> Pipeline:

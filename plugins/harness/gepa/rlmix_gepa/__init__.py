@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import Task, mean, score_tasks, task_pool, traces
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.harness import Task, mean, reflection_lm, score_tasks, task_pool, traces
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "gepa"
@@ -222,10 +222,7 @@ def run_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task],
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get("gepa.lm")
-    if lm is None:
-        lm = run.resources["gepa.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def components(run: Run) -> list[str]:

@@ -31,19 +31,26 @@ harness itself (``run.harness``) is left as it is: the memory is added per promp
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import re
-import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import generate_scored, mean, metric_values, prompts_under, user_text
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.harness import (
+    generate_scored,
+    inside_rendering,
+    mean,
+    metric_values,
+    prompts_under,
+    reflection_lm,
+    rendering,
+    user_text,
+)
+from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "live_evo"
@@ -314,28 +321,12 @@ def _new_id(state: dict[str, Any]) -> int:
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get(f"{NAME}.lm")
-    if lm is None:
-        lm = run.resources[f"{NAME}.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 # ---------------------------------------------------------------- prompts with memory
 
 
-@contextlib.contextmanager
-def _rendering(run: Run) -> Iterator[None]:
-    inside = run.resources.setdefault(_RENDERING, set())
-    me = threading.get_ident()
-    inside.add(me)
-    try:
-        yield
-    finally:
-        inside.discard(me)
-
-
-def _inside(run: Run) -> bool:
-    return threading.get_ident() in run.resources.get(_RENDERING, set())
 
 
 def with_memory(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
@@ -364,7 +355,7 @@ def with_memory(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
             if block not in rendered:
                 base = run.harness.get(s.component, "")
                 harness = {**run.harness, s.component: f"{base}\n\n{block}".strip()}
-                with _rendering(run):
+                with rendering(run, NAME):
                     rendered[block] = prompts_under(run, harness, [step])[step]
             if i >= len(rendered[block]):
                 raise RuntimeError(f"live_evo: the env returned {len(rendered[block])} prompts "
@@ -539,7 +530,7 @@ def rlmix_configure(run: Run) -> None:
 @rlmix.hookimpl(wrapper=True)
 def rlmix_prompts(run: Run, step: int) -> Generator[None, Any, Any]:
     prompts = yield
-    if not prompts or _inside(run):
+    if not prompts or inside_rendering(run, NAME):
         return prompts
     return with_memory(run, int(step), list(prompts))
 

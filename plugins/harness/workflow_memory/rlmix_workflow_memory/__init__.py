@@ -27,20 +27,27 @@ State lives in ``run.state["workflow_memory"]`` (checkpointed); the memory is al
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 import re
-import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import mean, metric_values, prompts_under, score_tasks, task_pool, user_text
-from rlmix.lm import LM, LMSettings, make_lm
+from rlmix.harness import (
+    mean,
+    metric_values,
+    prompts_under,
+    reflection_lm,
+    rendering,
+    score_tasks,
+    task_pool,
+    user_text,
+)
+from rlmix.lm import LM, LMSettings
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "workflow_memory"
@@ -300,10 +307,7 @@ def plan(memory: dict[str, Any], items: Sequence[dict[str, Any]]
 
 
 def _lm(run: Run) -> LM:
-    lm = run.resources.get("workflow_memory.lm")
-    if lm is None:
-        lm = run.resources["workflow_memory.lm"] = make_lm(run, run.settings(NAME).lm, NAME)
-    return lm
+    return reflection_lm(run, NAME)
 
 
 def memory_of(run: Run) -> dict[str, Any]:
@@ -413,21 +417,6 @@ def _quiet(run: Run) -> Run:
     return view
 
 
-@contextlib.contextmanager
-def _entered(run: Run) -> Iterator[bool]:
-    """True when this thread is not already inside the wrapper (then marks it)."""
-    busy = run.resources.setdefault(BUSY, set())
-    me = threading.get_ident()
-    if me in busy:
-        yield False
-        return
-    busy.add(me)
-    try:
-        yield True
-    finally:
-        busy.discard(me)
-
-
 def with_workflows(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
     """``prompts`` with each one re-rendered under a harness holding its retrieved workflows."""
     s = run.settings(NAME)
@@ -475,7 +464,7 @@ def rlmix_prompts(run: Run, step: int) -> Iterator[None]:
     prompts = yield
     if not prompts:
         return prompts
-    with _entered(run) as first:
+    with rendering(run, NAME) as first:
         if not first:  # our own re-rendering (or offline tasks): the env's prompts as they are
             return prompts
         view = _quiet(run)
