@@ -173,3 +173,28 @@ def rendering(run: Run, owner: str) -> Iterator[bool]:
 def inside_rendering(run: Run, owner: str) -> bool:
     """Whether this thread is inside ``owner``'s ``rendering`` block."""
     return threading.get_ident() in _rendering_threads(run, owner)
+
+
+def evolved_components(run: Run, owner: str) -> list[str]:
+    """The harness components plugin ``owner`` evolves: its ``components`` setting, or every
+    component of ``run.harness`` when that is empty. A named component missing from the harness
+    is a ``ConfigError`` naming ``<owner>.components``."""
+    names = list(run.settings(owner).components) or sorted(run.harness)
+    missing = [c for c in names if c not in run.harness]
+    if missing:
+        raise ConfigError(
+            f"{owner}.components: the harness has no component {missing[0]!r}; give its "
+            f"starting text under 'harness:' in the manifest (present: "
+            f"{', '.join(sorted(run.harness)) or 'none'})")
+    return names
+
+
+def configure_evolver(run: Run, owner: str) -> None:
+    """What a harness plugin checks at configure time: it warns when there is nothing to evolve,
+    and loads (or connects to) a reflection model that is not the policy now, so a bad model
+    name or URL fails before the first step."""
+    if not evolved_components(run, owner):
+        print(f"rlmix: warning: {owner} has nothing to evolve: the manifest's 'harness:' block "
+              "is empty (give the components' starting texts there)")
+    if run.settings(owner).lm.source != "policy":
+        reflection_lm(run, owner)

@@ -37,6 +37,8 @@ import rlmix
 from rlmix import loop
 from rlmix.harness import (
     Task,
+    configure_evolver,
+    evolved_components,
     generate_scored,
     mean,
     metric_values,
@@ -357,13 +359,7 @@ def _new_version(state: dict[str, Any], name: str, text: str, why: str) -> int:
 
 
 def components(run: Run) -> list[str]:
-    names = list(run.settings(NAME).components) or sorted(run.harness)
-    missing = [c for c in names if c not in run.harness]
-    if missing:
-        raise rlmix.ConfigError(
-            f"ahe.components: the harness has no component {missing[0]!r}; give its starting "
-            f"text under 'harness:' in the manifest (present: "
-            f"{', '.join(sorted(run.harness)) or 'none'})")
+    names = evolved_components(run, NAME)
     bad = [c for c in names if not _SAFE.match(c)]
     if bad:
         raise rlmix.ConfigError(f"ahe.components: {bad[0]!r} cannot be a file name")
@@ -563,12 +559,8 @@ def round_batch(run: Run, step: int) -> RolloutBatch:
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    s = run.settings(NAME)
-    if not components(run):
-        print("rlmix: warning: ahe has nothing to evolve: the manifest's 'harness:' block is "
-              "empty (give the components' starting texts there)")
-    if s.lm.source != "policy":
-        _lm(run)
+    configure_evolver(run, NAME)
+    components(run)  # each must also be a safe file name: fail before the first step
 
 
 @rlmix.hookimpl

@@ -36,6 +36,8 @@ from typing import Any
 import rlmix
 from rlmix.harness import (
     Task,
+    configure_evolver,
+    evolved_components,
     inside_rendering,
     mean,
     prompts_under,
@@ -187,14 +189,7 @@ def parse_proposal(reply: str) -> str:
 
 
 def components(run: Run) -> list[str]:
-    names = list(run.settings(NAME).components) or sorted(run.harness)
-    missing = [c for c in names if c not in run.harness]
-    if missing:
-        raise rlmix.ConfigError(
-            f"auto_harness.components: the harness has no component {missing[0]!r}; give its "
-            f"starting text under 'harness:' in the manifest (present: "
-            f"{', '.join(sorted(run.harness)) or 'none'})")
-    return names
+    return evolved_components(run, NAME)
 
 
 def init_state(run: Run) -> dict[str, Any]:
@@ -424,14 +419,9 @@ def _reflect(run: Run, state: dict[str, Any], target: int, tasks: list[Task],
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    s = run.settings(NAME)
-    if not components(run):
-        print("rlmix: warning: auto_harness has nothing to evolve: the manifest's 'harness:' "
-              "block is empty (give the components' starting texts there)")
+    configure_evolver(run, NAME)
     if NAME not in run.state:
         init_state(run)
-    if s.lm.source != "policy":
-        _lm(run)  # load or connect now, so a bad model or URL fails before the first step
 
 
 @rlmix.hookimpl(wrapper=True)

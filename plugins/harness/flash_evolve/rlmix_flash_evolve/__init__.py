@@ -48,7 +48,16 @@ from rlmix_gepa import (
 )
 
 import rlmix
-from rlmix.harness import Task, mean, reflection_lm, score_tasks, task_pool, traces
+from rlmix.harness import (
+    Task,
+    configure_evolver,
+    evolved_components,
+    mean,
+    reflection_lm,
+    score_tasks,
+    task_pool,
+    traces,
+)
 from rlmix.lm import LM, PolicyLM, TransformersLM
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
@@ -207,14 +216,7 @@ def _add(state: dict[str, Any], cand: dict[str, str], parents: list[int], origin
 
 
 def components(run: Run) -> list[str]:
-    names = list(run.settings(NAME).components) or sorted(run.harness)
-    missing = [c for c in names if c not in run.harness]
-    if missing:
-        raise rlmix.ConfigError(
-            f"flash_evolve.components: the harness has no component {missing[0]!r}; give its "
-            f"starting text under 'harness:' in the manifest (present: "
-            f"{', '.join(sorted(run.harness)) or 'none'})")
-    return names
+    return evolved_components(run, NAME)
 
 
 def new_state(run: Run) -> dict[str, Any]:
@@ -726,12 +728,7 @@ def evolve(run: Run, proposals: int | None = None) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    s = run.settings(NAME)
-    if not components(run):
-        print("rlmix: warning: flash_evolve has nothing to evolve: the manifest's 'harness:' "
-              "block is empty (give the components' starting texts there)")
-    if s.lm.source != "policy":
-        _lm(run)  # load or connect now, so a bad model or URL fails before the first step
+    configure_evolver(run, NAME)
 
 
 @rlmix.hookimpl

@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import Task, mean, reflection_lm, score_tasks, task_pool, traces
+from rlmix.harness import (
+    Task,
+    configure_evolver,
+    evolved_components,
+    mean,
+    reflection_lm,
+    score_tasks,
+    task_pool,
+    traces,
+)
 from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
@@ -228,14 +237,7 @@ def _lm(run: Run) -> LM:
 def components(run: Run) -> list[str]:
     """The components to evolve (``gepa.components``, default every harness component; none
     when the harness is empty)."""
-    names = list(run.settings(NAME).components) or sorted(run.harness)
-    missing = [c for c in names if c not in run.harness]
-    if missing:
-        raise rlmix.ConfigError(
-            f"gepa.components: the harness has no component {missing[0]!r}; give its starting "
-            f"text under 'harness:' in the manifest (present: "
-            f"{', '.join(sorted(run.harness)) or 'none'})")
-    return names
+    return evolved_components(run, NAME)
 
 
 def init_state(run: Run) -> dict[str, Any]:
@@ -413,12 +415,7 @@ def iterate(run: Run) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    s = run.settings(NAME)
-    if not components(run):
-        print("rlmix: warning: gepa has nothing to evolve: the manifest's 'harness:' block is "
-              "empty (give the components' starting texts there)")
-    if s.lm.source != "policy":
-        _lm(run)  # load or connect now, so a bad model or URL fails before the first step
+    configure_evolver(run, NAME)
 
 
 @rlmix.hookimpl
