@@ -1,6 +1,6 @@
 """Type-I error and power of the sequential gate by simulation (the README's table).
 
-    python plugins/harness/sequential_gate/simulate.py --runs 2000 --horizon 200
+    python bench/sequential_gate.py --runs 2000 --horizon 200
 
 Each run draws paired pass/fail scores (before ~ Bernoulli(p0), after ~ Bernoulli(p1)) one task
 at a time until the gate decides or ``horizon`` pairs were used. Under H0 (p1 <= p0) the
