@@ -276,3 +276,38 @@ def test_decoupled_ppo_loglinear_reads_per_token_versions() -> None:
     # alpha = d / (d + 1): 2/3 on stale tokens, 1/2 one version old, 0 (behaviour) when fresh
     expected = behavior + torch.tensor([[2 / 3, 2 / 3, 1 / 2, 0.0]]) * (logp - behavior)
     torch.testing.assert_close(mixed, expected)
+
+
+class SwapsHarness:
+    """A wrapper on rlmix_prompts that, like a routing plugin, renders under another harness
+    inside the worker, holding it swapped for a while."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.release = threading.Event()
+
+    @rlmix.hookimpl(wrapper=True)
+    def rlmix_prompts(self, run: Run, step: int) -> Any:
+        prompts = yield
+        if step == 1:
+            run.harness["instructions"] = "SWAPPED"
+            self.inside.set()
+            self.release.wait(10)
+            run.harness["instructions"] = "Reply with only the final number."
+        return prompts
+
+
+def test_the_workers_harness_swaps_are_invisible_to_the_trainer(tmp_path: Path) -> None:
+    swapper = SwapsHarness()
+    run = _build(tmp_path, {"swapper": swapper}, "harness.instructions=Reply with only the "
+                 "final number.")
+    sampler = async_sampling.start(run, max_staleness=2)
+    try:
+        assert swapper.inside.wait(30)
+        # the worker holds its own copy swapped; the trainer (evaluating, say) sees its own
+        assert run.harness["instructions"] == "Reply with only the final number."
+        swapper.release.set()
+    finally:
+        swapper.release.set()
+        async_sampling.stop(run)
+    assert sampler is not None and _no_worker_left()

@@ -213,8 +213,11 @@ class AsyncSampler:
 
     def view(self, step: int) -> Run:
         """The run as the worker's hooks see it: step ``step``, the worker's policy copy and
-        its version; everything else (config, plugins, state, resources, harness) shared."""
+        its version, and its own copy of the harness (a routing or retrieval wrapper swaps the
+        harness while it renders; the trainer, evaluating meanwhile, must not see that);
+        everything else (config, plugins, state, resources) shared."""
         view = copy.copy(self.run)
+        view.harness = dict(self.run.harness)
         view.policy = self.policy
         view.policy_version = self.version
         view.step = step
