@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from rlmix import cli, plugins
+from rlmix import cli
+from rlmix.testing import skip_unless_installed
 
 from .conftest import ROOT, read_jsonl
 
@@ -19,10 +20,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_on_the_tiny_model(path: Path, tmp_path: Path) -> None:
+    skip_unless_installed(path)
     wanted = list(OmegaConf.load(path).plugins)
-    missing = sorted(set(wanted) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
     code = cli.main(["run", str(path), "model=tiny-random", "arith.eval_size=4",
                      "arith.eval_max_new_tokens=6", "sampling.max_new_tokens=6",
                      "train.steps=2", "train.prompts_per_step=2", "train.group_size=4",

@@ -12,8 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 import rlmix
-from rlmix import checkpoint, cli, loop, manifest, plugins
+from rlmix import checkpoint, cli, loop, manifest
 from rlmix.policy import Policy, tiny_random
+from rlmix.testing import skip_unless_installed
 
 from .conftest import ROOT, read_jsonl
 
@@ -25,9 +26,7 @@ TINY = ["model=tiny-random", "arith.eval_size=4", "arith.eval_max_new_tokens=6",
 
 
 def needs(path: Path) -> None:
-    missing = sorted(set(OmegaConf.load(path).plugins) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
+    skip_unless_installed(path)
 
 
 def state_of(out: Path) -> dict:

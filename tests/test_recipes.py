@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlmix import cli
-from rlmix import plugins as plugin_loading
+from rlmix.testing import skip_unless_installed
 
 from .conftest import ROOT, read_jsonl
 
@@ -37,10 +37,8 @@ def test_recipe_cites_its_paper_at_the_top(recipe: Path) -> None:
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_two_steps_on_the_tiny_model(recipe: Path, tmp_path: Path) -> None:
+    skip_unless_installed(recipe)
     names = list(OmegaConf.load(recipe).plugins)
-    missing = [n for n in names if n not in plugin_loading.installed()]
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
     assert cli.main(["run", str(recipe), *TINY, f"out={tmp_path}"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]

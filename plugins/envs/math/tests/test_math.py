@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 import rlmix_math
 import torch
-from omegaconf import OmegaConf
 from rlmix_math import problems as problems_mod
 from rlmix_math import verify as verify_mod
 from rlmix_math.problems import Problem, generated_problems, read_rows, rows_to_problems, split
@@ -24,7 +23,7 @@ from rlmix_math.verify import has_boxed_answer, last_boxed, verify_answer
 
 import rlmix
 from rlmix import loop
-from rlmix.testing import make_batch, make_run
+from rlmix.testing import make_batch, make_run, skip_unless_installed
 
 ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "envs" / "math.yaml"
@@ -378,12 +377,9 @@ def test_evaluation_is_greedy_chunked_and_scores_the_held_out_set(monkeypatch):
 
 
 def test_example_manifest_runs_two_steps_on_the_tiny_model(tmp_path):
-    from rlmix import cli, plugins
+    from rlmix import cli
 
-    wanted = list(OmegaConf.load(EXAMPLE).plugins)
-    missing = sorted(set(wanted) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
+    skip_unless_installed(EXAMPLE)
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "math.eval_size=3",
                      "math.eval_max_new_tokens=6", "sampling.max_new_tokens=6",
                      "train.steps=2", "train.prompts_per_step=2", "train.group_size=2",

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import rlmix_sql
 import torch
-from omegaconf import OmegaConf
 from rlmix_sql import Settings, check_answer
 from rlmix_sql.execute import (
     extract_query,
@@ -31,7 +30,7 @@ from rlmix_sql.schemas import SCHEMAS, build_database
 
 import rlmix
 from rlmix import loop
-from rlmix.testing import make_batch, make_run
+from rlmix.testing import make_batch, make_run, skip_unless_installed
 
 ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "envs" / "sql.yaml"
@@ -416,12 +415,9 @@ def test_the_default_folder_is_temporary_and_removed():
 
 
 def test_example_manifest_runs_two_steps_on_the_tiny_model(tmp_path):
-    from rlmix import cli, plugins
+    from rlmix import cli
 
-    wanted = list(OmegaConf.load(EXAMPLE).plugins)
-    missing = sorted(set(wanted) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
+    skip_unless_installed(EXAMPLE)
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "sql.eval_size=3",
                      "sql.eval_max_new_tokens=6", "sampling.max_new_tokens=6",
                      "train.steps=2", "train.prompts_per_step=2", "train.group_size=2",

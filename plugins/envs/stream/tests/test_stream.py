@@ -25,7 +25,7 @@ from rlmix_stream import (
 
 import rlmix
 from rlmix import cli, loop
-from rlmix.testing import make_batch, make_run
+from rlmix.testing import make_batch, make_run, skip_unless_installed
 
 ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "envs" / "stream.yaml"
@@ -222,6 +222,7 @@ def test_bad_settings_name_the_key(override, match):
 
 
 def test_example_manifest_runs_two_steps_with_tiny_random(tmp_path):
+    skip_unless_installed(EXAMPLE)
     out = tmp_path / "run"
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "train.steps=2",
                      "train.prompts_per_step=2", "train.group_size=2",

@@ -27,7 +27,7 @@ from rlmix_ahe import (
 import rlmix
 from rlmix import loop
 from rlmix.harness import score_tasks, task_pool
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins
 
@@ -322,14 +322,11 @@ def test_settings_and_missing_component_errors(tmp_path):
 
 @pytest.mark.slow  # about 8 s: the CLI, the tiny model and arith
 def test_example_manifest_runs_on_the_tiny_model(tmp_path):
-    from omegaconf import OmegaConf
 
-    from rlmix import cli, plugins
+    from rlmix import cli
 
     example = ROOT / "examples" / "harness" / "ahe-arith.yaml"
-    missing = sorted(set(OmegaConf.load(example).plugins) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
+    skip_unless_installed(example)
     out = tmp_path / "run"
     code = cli.main(["run", str(example), "model=tiny-random", "train.steps=2",
                      "train.prompts_per_step=2", "train.eval_every=0", "arith.eval_size=0",

@@ -26,7 +26,7 @@ from rlmix_auto_harness import (
 
 import rlmix
 from rlmix import cli, loop
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins, hint_reflection
 
@@ -248,6 +248,7 @@ def test_settings_and_missing_component_errors(tmp_path):
 
 
 def test_example_manifest_runs_two_steps_with_tiny_random(tmp_path):
+    skip_unless_installed(EXAMPLE)
     out = tmp_path / "run"
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "train.steps=2",
                      "train.prompts_per_step=2", "sampling.max_new_tokens=4",

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import rlmix_bootstrap_fewshot as bfs
-from omegaconf import OmegaConf
 from rlmix_bootstrap_fewshot import (
     best_candidate,
     candidate_sets,
@@ -23,7 +22,7 @@ from rlmix_bootstrap_fewshot import (
 import rlmix
 from rlmix import loop
 from rlmix.harness import mean, score_tasks
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.harness import HintEnv, HintModel, harness_words
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -260,11 +259,9 @@ def test_harness_words_see_the_rendered_demos(tmp_path):
 
 
 def test_example_manifest_runs_two_steps_with_the_tiny_model(tmp_path):
-    from rlmix import checkpoint, cli, plugins
+    from rlmix import checkpoint, cli
 
-    missing = set(OmegaConf.load(EXAMPLE).plugins) - set(plugins.installed())
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(sorted(missing))}")
+    skip_unless_installed(EXAMPLE)
     out = tmp_path / "run"
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "train.steps=2",
                      "train.prompts_per_step=2", "train.eval_every=0", "train.checkpoint_every=1",

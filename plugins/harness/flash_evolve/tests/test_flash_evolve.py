@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from rlmix_flash_evolve import Budget, resolve_stale
 
 import rlmix
-from rlmix import checkpoint, cli, loop, plugins
-from rlmix.testing import make_run
+from rlmix import checkpoint, cli, loop
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, HintModel, hint_reflection
 
@@ -333,9 +333,7 @@ def test_settings_errors_name_their_keys(tmp_path):
 
 
 def test_example_manifest_runs_two_steps_on_tiny_random(tmp_path):
-    missing = sorted(set(OmegaConf.load(EXAMPLE).plugins) - set(plugins.installed()))
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(missing)}")
+    skip_unless_installed(EXAMPLE)
     out = tmp_path / "run"
     code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "arith.eval_size=4",
                      "arith.eval_max_new_tokens=6", "sampling.max_new_tokens=6",

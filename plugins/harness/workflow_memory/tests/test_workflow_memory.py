@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import rlmix_workflow_memory as awm
-from omegaconf import OmegaConf
 from rlmix_workflow_memory import (
     abstract,
     add_workflow,
@@ -29,7 +28,7 @@ from rlmix_workflow_memory import (
 import rlmix
 from rlmix import loop
 from rlmix.harness import generate_scored, mean
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, HintModel, harness_words
 
@@ -342,11 +341,9 @@ def test_async_sampler_worker_retrieves_without_deadlock(tmp_path):
 
 
 def test_example_manifest_runs_two_steps_with_the_tiny_model(tmp_path):
-    from rlmix import cli, plugins
+    from rlmix import cli
 
-    missing = set(OmegaConf.load(EXAMPLE).plugins) - set(plugins.installed())
-    if missing:
-        pytest.skip(f"plugins not installed: {', '.join(sorted(missing))}")
+    skip_unless_installed(EXAMPLE)
     out = tmp_path / "run"
     args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
             "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
