@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 import rlmix
 from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, harness_words, hint_plugins
 
@@ -275,6 +275,7 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
+    skip_unless_installed(EXAMPLE)
     cfg_ = OmegaConf.load(EXAMPLE)
     assert cfg_.model == "tiny-random" and "evolve_mem" in cfg_.plugins
     out = tmp_path / "ex"

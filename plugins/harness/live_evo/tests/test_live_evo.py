@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 import rlmix
 from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run
+from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, harness_words, hint_plugins
 
@@ -268,6 +268,7 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
+    skip_unless_installed(EXAMPLE)
     cfg = OmegaConf.load(EXAMPLE)
     assert cfg.model == "tiny-random" and "live_evo" in cfg.plugins
     out = tmp_path / "ex"
