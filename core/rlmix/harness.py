@@ -198,3 +198,31 @@ def configure_evolver(run: Run, owner: str) -> None:
               "is empty (give the components' starting texts there)")
     if run.settings(owner).lm.source != "policy":
         reflection_lm(run, owner)
+
+
+GATES = "rlmix.gates"  # where the gates plugin (or sequential_gate) publishes its gates
+
+
+def split_pool(run: Run, sizes: dict[str, int], base: int) -> dict[str, list[Task]]:
+    """``search``, ``selection`` and ``heldout`` tasks of the sizes asked for, from a pool of
+    their total starting at step ``base``: split by the gates in ``run.resources`` when a gates
+    plugin is listed (seeded, and remembered, so held-out tasks can be guarded), else in order."""
+    names = ("search", "selection", "heldout")
+    pool = task_pool(run, sum(int(sizes.get(k, 0)) for k in names), base)
+    gates = run.resources.get(GATES)
+    if gates is not None:
+        split = gates.split(pool, sizes)
+        return {"search": list(split.search), "selection": list(split.selection),
+                "heldout": list(split.heldout)}
+    out, start = {}, 0
+    for k in names:
+        out[k] = pool[start:start + int(sizes.get(k, 0))]
+        start += int(sizes.get(k, 0))
+    return out
+
+
+def guard_heldout(run: Run, tasks: Sequence[Task]) -> None:
+    """Refuse held-out tasks the search has seen, when a gates plugin is listed."""
+    gates = run.resources.get(GATES)
+    if gates is not None:
+        gates.guard_heldout(tasks)

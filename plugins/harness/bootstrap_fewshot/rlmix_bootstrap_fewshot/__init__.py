@@ -27,11 +27,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import Task, mean, score_tasks, task_pool, task_prompts, user_text
+from rlmix.harness import (
+    Task,
+    guard_heldout,
+    mean,
+    score_tasks,
+    split_pool,
+    task_prompts,
+    user_text,
+)
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "bootstrap_fewshot"
-GATES = "rlmix.gates"
 
 
 @dataclass
@@ -166,15 +173,9 @@ def harness_with(state: dict[str, Any], run: Run, c: int) -> dict[str, str]:
 
 def split(run: Run) -> dict[str, list[Task]]:
     s = run.settings(NAME)
-    pool = task_pool(run, s.train_size + s.val_size + s.heldout_size, s.task_step_base)
-    sizes = {"search": s.train_size, "selection": s.val_size, "heldout": s.heldout_size}
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        out = gates.split(pool, sizes)
-        return {"train": list(out.search), "val": list(out.selection),
-                "heldout": list(out.heldout)}
-    a, b = s.train_size, s.train_size + s.val_size
-    return {"train": pool[:a], "val": pool[a:b], "heldout": pool[b:]}
+    out = split_pool(run, {"search": s.train_size, "selection": s.val_size,
+                           "heldout": s.heldout_size}, s.task_step_base)
+    return {"train": out["search"], "val": out["selection"], "heldout": out["heldout"]}
 
 
 def bootstrap(run: Run) -> dict[str, Any]:
@@ -221,9 +222,7 @@ def _score_heldout(run: Run, c: int) -> None:
     tasks = _tasks(state, "heldout")
     if not tasks or str(c) in state["heldout"]:
         return
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        gates.guard_heldout(tasks)
+    guard_heldout(run, tasks)
     calls = state["metric_calls"]
     scores, _ = run_tasks(run, harness_with(state, run, c), tasks)
     state["metric_calls"] = calls  # held-out scoring is reporting, not search

@@ -49,20 +49,21 @@ from rlmix_gepa import (
 
 import rlmix
 from rlmix.harness import (
+    GATES,
     Task,
     configure_evolver,
     evolved_components,
+    guard_heldout,
     mean,
     reflection_lm,
     score_tasks,
-    task_pool,
+    split_pool,
     traces,
 )
 from rlmix.lm import LM, PolicyLM, TransformersLM
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"
-GATES = "rlmix.gates"
 POLICIES = ("update", "discard", "patch")
 
 
@@ -222,15 +223,8 @@ def components(run: Run) -> list[str]:
 def new_state(run: Run) -> dict[str, Any]:
     """Tasks and an empty pool, in ``rlmix_gepa``'s layout plus the pipeline's counters."""
     s = run.settings(NAME)
-    pool = task_pool(run, s.search_size + s.selection_size + s.heldout_size, s.task_step_base)
-    sizes = {"search": s.search_size, "selection": s.selection_size, "heldout": s.heldout_size}
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        split = gates.split(pool, sizes)
-        sets = {"search": split.search, "selection": split.selection, "heldout": split.heldout}
-    else:
-        a, b = s.search_size, s.search_size + s.selection_size
-        sets = {"search": pool[:a], "selection": pool[a:b], "heldout": pool[b:]}
+    sets = split_pool(run, {"search": s.search_size, "selection": s.selection_size,
+                            "heldout": s.heldout_size}, s.task_step_base)
     return {"components": components(run),
             "tasks": {k: [list(t) for t in v] for k, v in sets.items()},
             "candidates": [], "parents": [], "origin": [], "scores": [], "heldout": {},
@@ -671,9 +665,7 @@ def _score_heldout(run: Run, state: dict[str, Any], c: int) -> None:
     tasks = _tasks(state, "heldout")
     if not tasks or str(c) in state["heldout"]:
         return
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        gates.guard_heldout(tasks)
+    guard_heldout(run, tasks)
     scores, _ = score_tasks(run, state["candidates"][c], tasks, temperature=s.temperature,
                             max_new_tokens=s.max_new_tokens or None, metric=s.metric, owner=NAME)
     state["heldout_calls"] += len(tasks)

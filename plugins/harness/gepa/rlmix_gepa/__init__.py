@@ -27,20 +27,21 @@ from typing import Any
 
 import rlmix
 from rlmix.harness import (
+    GATES,
     Task,
     configure_evolver,
     evolved_components,
+    guard_heldout,
     mean,
     reflection_lm,
     score_tasks,
-    task_pool,
+    split_pool,
     traces,
 )
 from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "gepa"
-GATES = "rlmix.gates"
 
 
 @dataclass
@@ -244,15 +245,8 @@ def init_state(run: Run) -> dict[str, Any]:
     """Tasks, the seed candidate and its selection scores (counted against the budget)."""
     s = run.settings(NAME)
     names = components(run)
-    pool = task_pool(run, s.search_size + s.selection_size + s.heldout_size, s.task_step_base)
-    sizes = {"search": s.search_size, "selection": s.selection_size, "heldout": s.heldout_size}
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        split = gates.split(pool, sizes)
-        sets = {"search": split.search, "selection": split.selection, "heldout": split.heldout}
-    else:
-        a, b = s.search_size, s.search_size + s.selection_size
-        sets = {"search": pool[:a], "selection": pool[a:b], "heldout": pool[b:]}
+    sets = split_pool(run, {"search": s.search_size, "selection": s.selection_size,
+                            "heldout": s.heldout_size}, s.task_step_base)
     state = run.state[NAME] = {
         "components": names, "tasks": {k: [list(t) for t in v] for k, v in sets.items()},
         "candidates": [], "parents": [], "origin": [], "scores": [], "heldout": {},
@@ -283,9 +277,7 @@ def _score_heldout(run: Run, c: int) -> None:
     tasks = _tasks(state, "heldout")
     if not tasks or str(c) in state["heldout"]:
         return
-    gates = run.resources.get(GATES)
-    if gates is not None:
-        gates.guard_heldout(tasks)
+    guard_heldout(run, tasks)
     calls = state["metric_calls"]
     scores, _ = run_tasks(run, state["candidates"][c], tasks)
     state["metric_calls"] = calls  # held-out scoring is reporting, not search
