@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_arith import correct_reward, format_reward, parse_answer
 
 import rlmix
 from rlmix.manifest import check_choices
@@ -30,8 +30,6 @@ from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "stream"
 KINDS = ("add", "sub", "word")
-_INT = re.compile(r"-?\d+")
-_ONLY_NUMBER = re.compile(r"^\s*-?\d+\s*\.?\s*$")
 
 
 @dataclass
@@ -172,21 +170,6 @@ def eval_tasks(s: Settings) -> list[tuple[str, str, int]]:
             seen.add(question)
             out.append((kind, question, answer))
     return out
-
-
-def parse_answer(text: str) -> int | None:
-    """The last integer in a completion."""
-    found = _INT.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
-
-
-def correct_reward(texts: Sequence[str], answers: Sequence[int]) -> torch.Tensor:
-    return torch.tensor([float(parse_answer(t) == a) for t, a in zip(texts, answers)])
-
-
-def format_reward(texts: Sequence[str]) -> torch.Tensor:
-    """1 when the completion is only a number."""
-    return torch.tensor([float(bool(_ONLY_NUMBER.match(t))) for t in texts])
 
 
 def accuracy_by_kind(kinds: Sequence[str], correct: Sequence[float]) -> dict[str, float]:
