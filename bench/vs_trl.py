@@ -108,6 +108,7 @@ def rlmix_worker(args: argparse.Namespace) -> None:
         "train.eval_every=0", "train.checkpoint_every=0",
         f"sampling.temperature={args.temperature}",
         f"sampling.max_new_tokens={args.max_new_tokens}", f"policy.autocast={args.autocast}",
+        f"train.max_grad_norm={args.max_grad_norm}",
         "grpo.beta=0.0", f"hf.stop_at_eos={str(bool(args.stop_at_eos)).lower()}",
         *args.rlmix_override])
     run = loop.build_run(cfg, extra_plugins={"benchtask": BenchTask()})
@@ -135,6 +136,7 @@ class PhaseTimer:
         import torch
 
         self.times: dict[str, float] = {}
+        self.stack: list[str] = []
         policy = run.policy
         self._wrap(policy, "logprobs", "logprob forward")
         self._wrap(run, "sample", "generation")
@@ -147,10 +149,16 @@ class PhaseTimer:
     def _timed(self, fn: Any, name: str) -> Any:
         def wrapped(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
+            self.stack.append(name)
             try:
                 return fn(*a, **kw)
             finally:
-                self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+                self.stack.pop()
+                took = time.perf_counter() - t
+                self.times[name] = self.times.get(name, 0.0) + took
+                if self.stack:  # nested (optimizer steps inside the backward): count it once
+                    outer = self.stack[-1]
+                    self.times[outer] = self.times.get(outer, 0.0) - took
         return wrapped
 
     def _wrap(self, obj: Any, attr: str, name: str) -> None:
@@ -192,7 +200,7 @@ def trl_worker(args: argparse.Namespace) -> None:
         output_dir=f"{args.out}/trl", use_cpu=True, bf16=args.autocast == "bfloat16",
         report_to="none", save_strategy="no", logging_steps=10**9, seed=args.seed,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0,
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.group,
         steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=args.temperature, top_p=1.0, beta=0.0, loss_type="grpo",
@@ -278,7 +286,8 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     argv = [f"--prompts={p}", f"--group={g}", f"--max-new-tokens={length}",
             f"--total-steps={args.warmup + args.steps}", f"--lr={args.lr}",
             f"--seed={args.seed}", f"--temperature={args.temperature}",
-            f"--autocast={args.autocast}", f"--out={args.out}/{workload}"]
+            f"--max-grad-norm={args.max_grad_norm}", f"--autocast={args.autocast}",
+            f"--out={args.out}/{workload}"]
     argv += ["--stop-at-eos"] if args.stop_at_eos else []
     argv += [f"--rlmix-plugins={x}" for x in args.rlmix_plugins]
     argv += [f"--rlmix-override={x}" for x in args.rlmix_override]
@@ -327,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="gradient clipping in both frameworks; 0 = none")
     ap.add_argument("--autocast", default="none", choices=["none", "bfloat16"])
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both workers")
     ap.add_argument("--profile", action="store_true", help="rlmix phase breakdown")
@@ -409,7 +420,7 @@ def machine_floors(summaries: list[dict[str, Any]], threads: int) -> list[str]:
 
 def format_table(summaries: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"autocast {args.autocast}, {args.steps} timed steps after {args.warmup} warm-up, "
-             f"lr {args.lr}, temperature {args.temperature}",
+             f"lr {args.lr}, temperature {args.temperature}, max grad norm {args.max_grad_norm}",
              "| workload (P x G x L) | rlmix step s | TRL step s | time ratio | rlmix tok/s | "
              "TRL tok/s | rlmix RSS MiB | TRL RSS MiB | RSS ratio | rlmix reward | TRL reward |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -1,7 +1,9 @@
 """The core's own default plugins, registered ``trylast`` so any plugin takes over.
 
 * ``rlmix_sample``: ``train.group_size`` completions per prompt through ``rlmix_generate``.
-* ``rlmix_update``: AdamW, gradient clipping, accumulation over minibatches, NaN/inf skip.
+* ``rlmix_update``: AdamW, gradient clipping, accumulation over minibatches, NaN/inf skip; or,
+  with ``train.optimizer_in_backward``, each parameter stepped inside the backward as soon as
+  its gradient is ready (no gradient memory held for the whole model).
 * ``rlmix_token_logprobs``: plain torch (full logits).
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from rlmix import plugins as _plugins
+from rlmix.errors import ConfigError
 from rlmix.hookspecs import hookimpl
 from rlmix.policy import plain_token_logprobs
 from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch, Run
@@ -41,6 +44,73 @@ def rlmix_configure(run: Run) -> None:
                               betas=(float(train.adam_beta1), float(train.adam_beta2)),
                               weight_decay=float(train.weight_decay))
         run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
+        if bool(train.optimizer_in_backward):
+            _check_in_backward(run)
+            run.resources[IN_BACKWARD] = StepInBackward(run.optimizer, params)
+    elif bool(run.config.train.optimizer_in_backward) and owner != NAME:
+        raise ConfigError(f"train.optimizer_in_backward is a mode of the core's default "
+                          f"rlmix_update, but {owner!r} implements rlmix_update")
+
+
+IN_BACKWARD = "rlmix.optimizer_in_backward"
+
+
+def _check_in_backward(run: Run) -> None:
+    train = run.config.train
+    if float(train.max_grad_norm) > 0:
+        raise ConfigError(
+            "train.optimizer_in_backward steps each parameter before the global gradient norm "
+            "is known, so it cannot clip by it: set train.max_grad_norm: 0 to use it "
+            f"(it is {train.max_grad_norm})")
+    if int(train.grad_accum) > 1:
+        raise ConfigError(
+            "train.optimizer_in_backward steps each parameter in its backward, so gradients "
+            f"cannot be accumulated over chunks: set train.grad_accum: 1 (it is "
+            f"{train.grad_accum})")
+
+
+class StepInBackward:
+    """AdamW applied to each parameter inside the backward, the moment its gradient has been
+    accumulated, after which the gradient is freed: the full set of gradients (one more copy of
+    the weights) never exists at once. Without clipping and with one backward per update this
+    is the same update as stepping after the backward (AdamW is per element), hence the
+    restrictions checked in ``_check_in_backward``.
+
+    One optimizer over all parameters is kept (its ``state_dict`` is what checkpoints save, as
+    in the usual mode); calling its ``step`` while exactly one parameter holds a gradient
+    updates exactly that parameter. Hooks only act while ``armed``, i.e. inside the default
+    ``rlmix_update``'s backward, so other backward passes (a plugin's probe, a test) never
+    step the weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
+        self.optimizer = optimizer
+        self.armed = False
+        self.sq_norm = 0.0
+        self.nonfinite = 0
+        self.stepped = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self.armed or param.grad is None:
+            return
+        norm = float(torch.linalg.vector_norm(param.grad))
+        if math.isfinite(norm):
+            self.sq_norm += norm * norm
+            self.optimizer.step()  # only this parameter holds a gradient now
+            self.stepped += 1
+        else:
+            self.nonfinite += 1
+        param.grad = None
+
+    def backward(self, value: torch.Tensor, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.sq_norm, self.nonfinite, self.stepped = 0.0, 0, 0
+        self.armed = True
+        try:
+            value.backward()
+        finally:
+            self.armed = False
 
 
 @hookimpl(trylast=True)
@@ -70,6 +140,9 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
     state = run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
     value = loss.value
     assert value is not None
+    in_backward = run.resources.get(IN_BACKWARD)
+    if in_backward is not None:
+        return _update_in_backward(run, in_backward, value, state)
     finite = bool(torch.isfinite(value.detach()).all())
     if finite:
         value.backward()
@@ -101,6 +174,32 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
             stats["update/lr"] = lr
         run.optimizer.zero_grad(set_to_none=True)
         stats["update/grad_norm"] = float(grad_norm)
+    return stats
+
+
+def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor,
+                        state: dict[str, Any]) -> dict[str, Any]:
+    stats: dict[str, Any] = {}
+    if not bool(torch.isfinite(value.detach()).all()):
+        state["skipped_steps"] += 1
+        stats["update/skipped"] = 1.0
+        print(f"rlmix: warning: step {run.step + 1}: non-finite loss; optimizer step skipped, "
+              f"weights unchanged ({state['skipped_steps']} skipped so far)", file=sys.stderr)
+        return stats
+    lr = _lr_at(run)
+    stepper.backward(value, lr)
+    run.optimizer.zero_grad(set_to_none=True)  # parameters outside the graph, if any
+    if stepper.nonfinite:
+        # parameters already stepped keep their update: the backward cannot be taken back
+        print(f"rlmix: warning: step {run.step + 1}: {stepper.nonfinite} parameter(s) had a "
+              f"non-finite gradient and were not updated (train.optimizer_in_backward "
+              f"updates the others)", file=sys.stderr)
+    state["optimizer_steps"] += 1
+    run.policy_version += 1
+    stats["update/skipped"] = 0.0
+    stats["update/lr"] = lr
+    stats["update/grad_norm"] = math.sqrt(stepper.sq_norm)
+    stats["update/nonfinite_params"] = float(stepper.nonfinite)
     return stats
 
 

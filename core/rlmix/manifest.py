@@ -35,6 +35,8 @@ class TrainConfig:
     epochs: int = 1  # passes over each batch
     updates_per_epoch: int = 1  # optimizer steps per pass (PPO mini-batches)
     grad_accum: int = 1  # forward/backward chunks accumulated into each optimizer step
+    # step each parameter inside the backward and free its gradient (needs max_grad_norm 0)
+    optimizer_in_backward: bool = False
     shuffle: bool = True
     loss_norm_constant: float = 0.0  # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
     seed: int = 0

@@ -38,6 +38,9 @@ CORE_NOTES = {
     "train.adam_beta1": "AdamW beta1",
     "train.adam_beta2": "AdamW beta2",
     "train.max_grad_norm": "gradient clipping norm; 0 = no clipping",
+    "train.optimizer_in_backward": ("step each parameter inside the backward as soon as its "
+                                    "gradient is ready and free it (no gradient copy of the "
+                                    "model); needs `max_grad_norm: 0` and `grad_accum: 1`"),
     "train.warmup_steps": "linear learning-rate warm-up, in optimizer steps",
     "train.shuffle": "shuffle rows before splitting them into optimizer steps",
     "train.seed": "seed of every random choice (prompts, sampling, minibatch order)",
