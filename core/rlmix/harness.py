@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -130,6 +131,43 @@ def traces(batch: RolloutBatch, scores: Sequence[float], chars: int = 400
 
 def mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def words(text: str) -> set[str]:
+    """The lower-case words (runs of letters and digits) of ``text``."""
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def similarity(a: str, b: str) -> float:
+    """Jaccard index of the two texts' lower-case word sets (1 = same words)."""
+    wa, wb = words(a), words(b)
+    return len(wa & wb) / len(wa | wb) if wa or wb else 1.0
+
+
+def cut(text: str, chars: int) -> str:
+    """``text`` on one line, at most ``chars`` characters (``...`` marks a cut)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= chars else text[:chars - 3] + "..."
+
+
+def feedback_text(info: dict[str, Any], owner: str = "") -> str:
+    """A row's env feedback as plain words: ``key: value`` for every leaf of ``info``, a list's
+    items joined by commas; the episode transcript and ``owner``'s own record left out."""
+    parts: list[str] = []
+
+    def walk(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(str(k), v)
+        elif isinstance(value, (list, tuple)):
+            parts.append(f"{key}: {', '.join(str(v) for v in value)}")
+        elif value is not None and value != "":
+            parts.append(f"{key}: {value}")
+
+    for k, v in info.items():
+        if k not in ("episode", owner):
+            walk(str(k), v)
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------- for plugin authors

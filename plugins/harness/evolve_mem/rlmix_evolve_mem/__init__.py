@@ -41,6 +41,8 @@ import rlmix
 from rlmix import loop
 from rlmix.harness import (
     Task,
+    cut,
+    feedback_text,
     generate_scored,
     inside_rendering,
     mean,
@@ -48,6 +50,7 @@ from rlmix.harness import (
     prompts_under,
     reflection_lm,
     rendering,
+    similarity,
     task_pool,
     user_text,
 )
@@ -132,16 +135,6 @@ def choices(s: Settings, name: str) -> list[Any]:
 # ---------------------------------------------------------------- the memory (pure)
 
 
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z0-9]+", text.lower()))
-
-
-def similarity(a: str, b: str) -> float:
-    """Jaccard index of the lower-case word sets."""
-    wa, wb = words(a), words(b)
-    return len(wa & wb) / len(wa | wb) if wa or wb else 1.0
-
-
 def eligible(memory: Sequence[dict[str, Any]], config: dict[str, Any]) -> list[dict[str, Any]]:
     """The entries a configuration may show: the newest ``max_size``, filtered by ``store``."""
     window = list(memory)[-int(config["max_size"]):]
@@ -178,29 +171,6 @@ def render(entries: Sequence[dict[str, Any]], store: str, header: str) -> str:
     if not entries:
         return ""
     return "\n".join([header] + [f"- {entry_text(e, store)}" for e in entries])
-
-
-def feedback_text(info: dict[str, Any]) -> str:
-    """The env's feedback as words: ``key: value`` for each leaf (episodes and our record
-    left out)."""
-    parts: list[str] = []
-
-    def walk(key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(str(k), v)
-        elif value is not None and value != "":
-            parts.append(f"{key}: {value}")
-
-    for k, v in info.items():
-        if k not in ("episode", NAME):
-            walk(str(k), v)
-    return "; ".join(parts)
-
-
-def cut(text: str, chars: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= chars else text[:chars - 3] + "..."
 
 
 # ---------------------------------------------------------------- diagnosis and actions (pure)
@@ -326,8 +296,6 @@ def _lm(run: Run) -> LM:
     return reflection_lm(run, NAME)
 
 
-
-
 def with_memory(run: Run, step: int, prompts: list[Prompt], config: dict[str, Any]
                 ) -> list[Prompt]:
     """Each prompt of ``step`` rebuilt by the env under a harness holding the entries
@@ -389,7 +357,7 @@ def evaluate(run: Run, config: dict[str, Any]) -> tuple[float, list[dict[str, An
         meta = p.info[NAME]
         logs.append({"task": meta["task"], "shown": meta["shown"], "max_sim": meta["max_sim"],
                      "output": cut(batch.texts[row], s.text_chars),
-                     "feedback": cut(feedback_text(batch.info[row]), s.text_chars),
+                     "feedback": cut(feedback_text(batch.info[row], NAME), s.text_chars),
                      "success": values[row] >= s.success_threshold})
     return mean(values), logs
 
@@ -410,7 +378,7 @@ def remember(run: Run, batch: RolloutBatch) -> int:
             "id": state["next_id"], "step": run.step, "task": task,
             "output": cut(batch.texts[best], s.text_chars), "score": values[best],
             "success": values[best] >= s.success_threshold,
-            "feedback": cut(feedback_text(batch.info[best]), s.text_chars)})
+            "feedback": cut(feedback_text(batch.info[best], NAME), s.text_chars)})
         state["next_id"] += 1
     del state["memory"][:-s.capacity]
     return len(groups)

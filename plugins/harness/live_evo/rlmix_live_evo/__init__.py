@@ -41,6 +41,8 @@ from typing import Any
 import rlmix
 from rlmix import loop
 from rlmix.harness import (
+    cut,
+    feedback_text,
     generate_scored,
     inside_rendering,
     mean,
@@ -48,6 +50,7 @@ from rlmix.harness import (
     prompts_under,
     reflection_lm,
     rendering,
+    similarity,
     user_text,
 )
 from rlmix.lm import LM, LMSettings
@@ -125,16 +128,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------- retrieval (pure)
-
-
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z0-9]+", text.lower()))
-
-
-def similarity(a: str, b: str) -> float:
-    """Jaccard index of the two texts' lower-case word sets (1 = same words)."""
-    wa, wb = words(a), words(b)
-    return len(wa & wb) / len(wa | wb) if wa or wb else 1.0
 
 
 def retrieval_scores(items: Sequence[dict[str, Any]], task: str, relevance: float
@@ -227,31 +220,6 @@ def forget_and_prune(bank: list[dict[str, Any]], s: Settings, cap: int
 # ---------------------------------------------------------------- distillation (pure)
 
 
-def feedback_text(info: dict[str, Any]) -> str:
-    """The env's feedback as plain words: ``key: value`` for every leaf of ``info`` (episodes
-    and this plugin's own record left out)."""
-    parts: list[str] = []
-
-    def walk(key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(str(k), v)
-        elif isinstance(value, (list, tuple)):
-            parts.append(f"{key}: {', '.join(str(v) for v in value)}")
-        elif value is not None and value != "":
-            parts.append(f"{key}: {value}")
-
-    for k, v in info.items():
-        if k not in ("episode", NAME):
-            walk(str(k), v)
-    return "; ".join(parts)
-
-
-def cut(text: str, chars: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= chars else text[:chars - 3] + "..."
-
-
 def rule_lesson(success: bool, output: str, feedback: str, chars: int) -> str:
     """What a rule distiller can say: the env's feedback on a failure, else the answer that
     worked (or failed, when the env gave no feedback)."""
@@ -325,8 +293,6 @@ def _lm(run: Run) -> LM:
 
 
 # ---------------------------------------------------------------- prompts with memory
-
-
 
 
 def with_memory(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
@@ -415,7 +381,7 @@ def distill(run: Run, batch: RolloutBatch, groups: dict[int, list[int]], values:
         success = values[best] >= s.success_threshold
         meta = batch.prompts[best].info.get(NAME) or {}
         task = meta.get("task") or cut(user_text(batch.prompts[best]), s.text_chars)
-        picks.append((best, success, task, feedback_text(batch.info[best])))
+        picks.append((best, success, task, feedback_text(batch.info[best], NAME)))
     lessons: list[str]
     if s.distill == "lm" and picks:
         prompts = [distill_prompt(t, batch.texts[r], values[r], ok, fb) for r, ok, t, fb in picks]

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 import rlmix
 from rlmix import checkpoint, cli, loop
+from rlmix.harness import feedback_text
 from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, harness_words, hint_plugins
@@ -81,8 +82,8 @@ def test_reinforce_decay_cap_prune_by_hand():
 def test_rule_distillation_feedback_and_merging():
     info = {"hint": {"hint": "the instructions lack the word beta"}, "episode": {"x": 1},
             "live_evo": {"shown": [1]}}
-    assert le.feedback_text(info) == "hint: the instructions lack the word beta"
-    assert le.feedback_text({"arith": {"answer": 46, "parsed": None}}) == "answer: 46"
+    assert feedback_text(info, le.NAME) == "hint: the instructions lack the word beta"
+    assert feedback_text({"arith": {"answer": 46, "parsed": None}}) == "answer: 46"
     assert le.rule_lesson(False, "no idea", "hint: lack beta", 100) == "hint: lack beta"
     assert le.rule_lesson(True, " 46 ", "", 100) == "answering '46' was right"
     assert le.rule_lesson(False, "45", "", 100) == "answering '45' was wrong"
