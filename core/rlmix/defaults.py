@@ -103,8 +103,7 @@ class StepInBackward:
         param.grad = None
 
     def backward(self, value: torch.Tensor, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        _set_lr(self.optimizer, lr)
         self.sq_norm, self.nonfinite, self.stepped = 0.0, 0, 0
         self.armed = True
         try:
@@ -125,6 +124,26 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
     return batch
 
 
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _skipped(run: Run, state: dict[str, Any], cause: str) -> dict[str, Any]:
+    """Count and announce an optimizer step not taken (the weights are unchanged)."""
+    state["skipped_steps"] += 1
+    print(f"rlmix: warning: step {run.step + 1}: {cause}; optimizer step skipped, weights "
+          f"unchanged ({state['skipped_steps']} skipped so far)", file=sys.stderr)
+    return {"update/skipped": 1.0}
+
+
+def _stepped(run: Run, state: dict[str, Any], lr: float) -> dict[str, Any]:
+    """Count an optimizer step taken: one more policy version."""
+    state["optimizer_steps"] += 1
+    run.policy_version += 1
+    return {"update/skipped": 0.0, "update/lr": lr}
+
+
 def _lr_at(run: Run) -> float:
     train = run.config.train
     warmup = int(train.warmup_steps)
@@ -140,10 +159,10 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
     state = run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
     value = loss.value
     assert value is not None
+    finite = bool(torch.isfinite(value.detach()).all())
     in_backward = run.resources.get(IN_BACKWARD)
     if in_backward is not None:
-        return _update_in_backward(run, in_backward, value, state)
-    finite = bool(torch.isfinite(value.detach()).all())
+        return _update_in_backward(run, in_backward, value, finite, state)
     if finite:
         value.backward()
     else:
@@ -158,34 +177,21 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
         bad = state.pop("pending_bad", False) or not bool(torch.isfinite(grad_norm))
         if bad:
             # leave the weights untouched: drop the gradients, do not step
-            state["skipped_steps"] += 1
-            stats["update/skipped"] = 1.0
-            print(f"rlmix: warning: step {run.step + 1}: non-finite loss or gradient; optimizer "
-                  f"step skipped, weights unchanged ({state['skipped_steps']} skipped so far)",
-                  file=sys.stderr)
+            stats.update(_skipped(run, state, "non-finite loss or gradient"))
         else:
             lr = _lr_at(run)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
+            _set_lr(run.optimizer, lr)
             run.optimizer.step()
-            state["optimizer_steps"] += 1
-            run.policy_version += 1
-            stats["update/skipped"] = 0.0
-            stats["update/lr"] = lr
+            stats.update(_stepped(run, state, lr))
         run.optimizer.zero_grad(set_to_none=True)
         stats["update/grad_norm"] = float(grad_norm)
     return stats
 
 
-def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor,
+def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor, finite: bool,
                         state: dict[str, Any]) -> dict[str, Any]:
-    stats: dict[str, Any] = {}
-    if not bool(torch.isfinite(value.detach()).all()):
-        state["skipped_steps"] += 1
-        stats["update/skipped"] = 1.0
-        print(f"rlmix: warning: step {run.step + 1}: non-finite loss; optimizer step skipped, "
-              f"weights unchanged ({state['skipped_steps']} skipped so far)", file=sys.stderr)
-        return stats
+    if not finite:
+        return _skipped(run, state, "non-finite loss")
     lr = _lr_at(run)
     stepper.backward(value, lr)
     run.optimizer.zero_grad(set_to_none=True)  # parameters outside the graph, if any
@@ -194,10 +200,7 @@ def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor,
         print(f"rlmix: warning: step {run.step + 1}: {stepper.nonfinite} parameter(s) had a "
               f"non-finite gradient and were not updated (train.optimizer_in_backward "
               f"updates the others)", file=sys.stderr)
-    state["optimizer_steps"] += 1
-    run.policy_version += 1
-    stats["update/skipped"] = 0.0
-    stats["update/lr"] = lr
+    stats = _stepped(run, state, lr)
     stats["update/grad_norm"] = math.sqrt(stepper.sq_norm)
     stats["update/nonfinite_params"] = float(stepper.nonfinite)
     return stats
