@@ -198,3 +198,28 @@ def test_run_end_is_called_once_after_the_last_step_and_on_a_crash(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         loop.train(run)
     assert calls == [("end", 2)]
+
+
+def test_plugins_report_metrics_through_run_log(tmp_path):
+    """``run.log`` from any hook (here the advantage wrapper and the evaluator) lands in that
+    step's metrics line, and nothing leaks into the next step's line."""
+
+    class Logger:
+        @rlmix.hookimpl(hookwrapper=True)
+        def rlmix_advantage(self, run, batch):
+            run.log("probe/rows", len(batch) + 100 * run.step)
+            yield
+
+        @rlmix.hookimpl
+        def rlmix_evaluate(self, run):
+            if run.step == 2:
+                run.log("probe/evaluated", 1.0)
+            return {}
+
+    run = _run(tmp_path / "run", {"probe": Logger()}, "train.steps=3", "train.eval_every=2")
+    loop.train(run)
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    n = 1 * 4  # prompts_per_step x group_size of _run's manifest
+    assert [r["probe/rows"] for r in rows] == [n + 100 * s for s in range(3)]
+    assert [("probe/evaluated" in r) for r in rows] == [False, True, False]

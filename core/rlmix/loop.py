@@ -238,6 +238,7 @@ def train_step(run: Run) -> dict[str, Any]:
         "time/evolve_s": time.perf_counter() - t_train,
         **{k: sum(v) / len(v) for k, v in loss_metrics.items()},
         **update_stats,
+        **run.drain_metrics(),
     }
     metrics["time/step_s"] = time.perf_counter() - t0
     return metrics
@@ -289,6 +290,7 @@ def train(run: Run) -> dict[str, Any]:
             metrics = train_step(run)
             if run.step == steps or (eval_every > 0 and run.step % eval_every == 0):
                 metrics.update(evaluate(run))
+            metrics.update(run.drain_metrics())  # what plugins logged during evaluation
             with _checkpoint_pause(run):
                 run.hook.rlmix_step_end(run=run, metrics=metrics)
             last = metrics

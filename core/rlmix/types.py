@@ -235,6 +235,8 @@ class Run:
     plugin_names: list[str] = field(default_factory=list)
     # the background sampler of async mode (rlmix.async_sampling), set by the loop; core-internal
     async_sampler: Any = None
+    # metrics plugins report through ``log``, written with the step's metrics line
+    pending_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def hook(self) -> Any:
@@ -243,6 +245,19 @@ class Run:
     @property
     def tokenizer(self) -> Any:
         return self.policy.tokenizer if self.policy is not None else None
+
+    def log(self, name: str, value: float) -> None:
+        """Report a metric for the current step: it is written with the step's line of
+        ``metrics.jsonl`` (the last value logged under ``name`` in a step wins). Plugins name
+        their metrics ``<plugin>/<what>``. Safe to call from the async sampler's worker."""
+        self.pending_metrics[str(name)] = float(value)
+
+    def drain_metrics(self) -> dict[str, float]:
+        """The metrics logged since the last drain, cleared (the loop calls this)."""
+        out = dict(self.pending_metrics)
+        for k in out:
+            self.pending_metrics.pop(k, None)
+        return out
 
     def settings(self, name: str) -> Any:
         """The validated settings dataclass of plugin ``name`` (its manifest block)."""
