@@ -201,7 +201,7 @@ def test_run_end_is_called_once_after_the_last_step_and_on_a_crash(tmp_path):
 
 
 def test_plugins_report_metrics_through_run_log(tmp_path):
-    """``run.log`` from any hook (here the advantage wrapper and the evaluator) lands in that
+    """``run.log`` from any hook (the advantage wrapper, the evaluator, step_end) lands in that
     step's metrics line, and nothing leaks into the next step's line."""
 
     class Logger:
@@ -216,6 +216,10 @@ def test_plugins_report_metrics_through_run_log(tmp_path):
                 run.log("probe/evaluated", 1.0)
             return {}
 
+        @rlmix.hookimpl
+        def rlmix_step_end(self, run, metrics):
+            run.log("probe/ended", run.step)
+
     run = _run(tmp_path / "run", {"probe": Logger()}, "train.steps=3", "train.eval_every=2")
     loop.train(run)
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
@@ -223,3 +227,4 @@ def test_plugins_report_metrics_through_run_log(tmp_path):
     n = 1 * 4  # prompts_per_step x group_size of _run's manifest
     assert [r["probe/rows"] for r in rows] == [n + 100 * s for s in range(3)]
     assert [("probe/evaluated" in r) for r in rows] == [False, True, False]
+    assert [r["probe/ended"] for r in rows] == [1, 2, 3]  # logged in step_end: the same line

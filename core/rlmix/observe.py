@@ -154,6 +154,8 @@ class ObservePlugin:
 
     @hookimpl(trylast=True)
     def rlmix_step_end(self, run: Run, metrics: dict[str, Any]) -> None:
+        # what plugins ``run.log``-ged in their own rlmix_step_end (called before this one)
+        metrics.update(run.drain_metrics())
         self.write(run, metrics)
 
     def close(self, run: Run) -> list[Path]:
