@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import glob
 import json
+import marshal
 import os
 import shutil
 import signal
@@ -625,9 +626,9 @@ def _launch(code: str, caps: dict[str, Any], *, mode: str, stdin: str, timeout_s
                "socket_shim": not full and not network,
                "cgroups": group.procs_files if group else [],
                **(caps["view"] if full else {"binds": [], "masks": [], "devices": []})}
-        config = os.path.join(outer, "config.json")
-        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            json.dump(cfg, f)
+        config = os.path.join(outer, "config.marshal")
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            marshal.dump(cfg, f)
         with _private(outer, "stdin") as fin, _private(outer, "stdout") as fout, \
                 _private(outer, "stderr") as ferr:
             fin.write(stdin.encode("utf-8"))

@@ -30,12 +30,11 @@ where root, a socket-blocking shim, and the program runs in its host work folder
 about it loudly.
 """
 
-import json
+import marshal
 import os
 import resource
 import signal
 import sys
-import types
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
@@ -160,7 +159,7 @@ def _run_program(cfg: dict) -> None:
     sys.path.insert(0, os.getcwd())
     with open("main.py", "rb") as f:
         code = compile(f.read(), "main.py", "exec")
-    main = types.ModuleType("__main__")
+    main = type(sys)("__main__")
     main.__file__ = "main.py"
     sys.modules["__main__"] = main
     cfg.clear()
@@ -170,8 +169,8 @@ def _run_program(cfg: dict) -> None:
 def main() -> None:
     path = sys.argv[1]
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        with open(path, "rb") as f:
+            cfg = marshal.load(f)  # marshal: built in, nothing to import (json would pull re)
         os.unlink(path)
     except (OSError, ValueError) as e:
         _fail("reading the config", e)
