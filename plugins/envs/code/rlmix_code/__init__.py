@@ -340,6 +340,7 @@ def verify(completions: list[str], problems: list[Problem], *, timeout_s: float 
         else:
             nonce = secrets.token_hex(16)
             job = {"mode": "check", "solution": program, "tests": list(the_plan.tests),
+                   "prompt": problem.prompt, "entry_point": problem.entry_point,
                    "timeout_s": test_timeout_s}
             stdin = _stdin(job, nonce)
         jobs.append({"code": _RUNNER_SOURCE, "stdin": stdin, "timeout_s": timeout_s,

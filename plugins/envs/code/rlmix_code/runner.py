@@ -11,10 +11,13 @@ out) to the result fd.
 
 ``mode == "check"`` (the nonce path, for checks that cannot be split): for each test this process
 (R) forks a child (C); C closes stdin before any solution code runs, points fds 1 and 2 at
-``/dev/null``, runs the solution and the test program, and on success writes ``done`` to a pipe
-and exits 0. Only after the last C has ended does R read the nonce (the bytes after the job on
-stdin, read unbuffered), so no C ever holds it. R writes ``<nonce> <k> passed`` only when C wrote
-``done`` AND C's exit status, observed by R, is 0.
+``/dev/null``, runs the solution, undoes its changes to ``builtins``, runs the test program in a
+namespace of the prompt's own definitions with the entry point behind a guard that refuses
+non-plain return values, and on success writes ``done`` to a pipe and exits 0. Only after the
+last C has ended does R read the nonce (the bytes after the job on stdin, read unbuffered), so
+no C ever holds it. R writes ``<nonce> <k> passed`` only when C wrote ``done`` AND C's exit
+status, observed by R, is 0. What the nonce path cannot hide: the test itself is in C's memory
+(a frame oracle can read it) and C may patch builtins during its own call.
 """
 
 import json
@@ -139,8 +142,19 @@ def _calls(job):  # type: ignore[no-untyped-def]
         report(line)
 
 
+def _plain_guard(fn):  # type: ignore[no-untyped-def]
+    """The candidate as the test sees it on the nonce path: a call whose value is not plain
+    (an always-equal object, a subclass of int/str/list) fails the test."""
+    def candidate(*args, **kwargs):  # type: ignore[no-untyped-def]
+        value = fn(*args, **kwargs)
+        _encode(value)
+        return value
+    return candidate
+
+
 def _one_test(job, test, done_w):  # type: ignore[no-untyped-def]
     """C: runs in a fresh fork, with no stdin and no stdout; reports ``done`` on success."""
+    import builtins
     os.close(0)
     sys.stdin = None
     null = os.open("/dev/null", os.O_RDWR)
@@ -148,11 +162,20 @@ def _one_test(job, test, done_w):  # type: ignore[no-untyped-def]
     os.dup2(null, 2)
     sys.stdout = sys.stderr = _Sink()
     signal.signal(signal.SIGALRM, _alarm)
-    namespace = {"__name__": "solution"}
+    pristine = dict(builtins.__dict__)
+    solution = {"__name__": "solution"}
+    tests = {"__name__": "test"}
     try:
         signal.setitimer(signal.ITIMER_REAL, job["timeout_s"])
-        exec(compile(job["solution"], "solution.py", "exec"), namespace)
-        exec(compile(test, "test.py", "exec"), namespace)
+        exec(compile(job["solution"], "solution.py", "exec"), solution)
+        # what the solution changed at load is undone; the test's helpers come from the prompt
+        # (the solution may redefine them); the test sees the entry point through the guard
+        for name in set(builtins.__dict__) - set(pristine):
+            del builtins.__dict__[name]
+        builtins.__dict__.update(pristine)
+        exec(compile(job["prompt"], "prompt.py", "exec"), tests)
+        tests[job["entry_point"]] = _plain_guard(solution[job["entry_point"]])
+        exec(compile(test, "test.py", "exec"), tests)
         signal.setitimer(signal.ITIMER_REAL, 0)
     except BaseException:
         os._exit(1)
