@@ -19,8 +19,10 @@ solution (which could redefine them). ``random`` in the tests is a private, seed
 test (HumanEval/38, /50, /53 draw unseeded), so both runs make the same calls.
 
 A problem takes **the nonce path** when this cannot be done: no canonical solution, an argument
-that is not a plain value, a test that uses the candidate other than by calling it, a canonical
-solution that fails its own tests, or calls that differ between two recordings. Then the whole
+or a canonical return value that is not a plain value, a test that uses the candidate other
+than by calling it, a canonical solution that fails its own tests, calls that differ between two
+recordings, or tests that fail when replayed on the canonical solution's own values (a test that
+reads an argument the solution mutated, or compares identities). Then the whole
 test program runs in the sandbox with the solution (``runner.py``, mode ``check``) and passes
 only on both a nonce the solution's process never holds and a clean exit of that process observed
 by its parent (see ``runner.py``).
@@ -173,14 +175,20 @@ def _namespace(problem: Any, seed: str) -> dict[str, Any]:
 
 class _Recorder:
     def __init__(self, fn: Any) -> None:
-        self.fn, self.calls = fn, []
+        self.fn, self.calls, self.values = fn, [], []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             self.calls.append(encode_call(args, kwargs))
         except NotPlain as e:
             raise _Unsplittable(f"an argument is not a plain value ({e})") from None
-        return self.fn(*args, **kwargs)
+        value = self.fn(*args, **kwargs)
+        try:
+            self.values.append(("ok", encode(value)))
+        except NotPlain as e:
+            raise _Unsplittable(f"the canonical solution returns a non-plain value ({e})") \
+                from None
+        return value
 
     def __getattr__(self, name: str) -> Any:
         raise _Unsplittable(f"the test reads candidate.{name}")
@@ -215,19 +223,21 @@ def _seed(problem: Any, k: int) -> str:
     return f"rlmix-code-{problem.task_id}-{k}"
 
 
-def _record(problem: Any, tests: list[str]) -> list[tuple[str, ...]]:
+def _record(problem: Any, tests: list[str]) -> tuple[list[tuple[str, ...]], list[Any]]:
+    """Each test's calls (encoded arguments) and the canonical solution's values for them."""
     solution_ns = _namespace(problem, "unused")
     exec(compile(problem.prompt + problem.canonical_solution + "\n", "canonical.py", "exec"),
          solution_ns)
     canonical = solution_ns[problem.entry_point]
-    out = []
+    out, values = [], []
     for k, test in enumerate(tests):
         g = _namespace(problem, _seed(problem, k))
         recorder = _Recorder(canonical)
         g[problem.entry_point] = recorder
         exec(compile(test, f"test_{k}.py", "exec"), g)
         out.append(tuple(recorder.calls))
-    return out
+        values += recorder.values
+    return out, values
 
 
 @dataclass(frozen=True)
@@ -253,8 +263,8 @@ def plan(problem: Any, split_tests: Any, full_test: Any) -> Plan:
     if not problem.canonical_solution.strip():
         return nonce("no canonical solution to record the calls with")
     try:
-        first = _record(problem, tests)
-        second = _record(problem, tests)
+        first, values = _record(problem, tests)
+        second, _ = _record(problem, tests)
     except _Unsplittable as e:
         return nonce(str(e))
     except Exception as e:  # noqa: BLE001  (the canonical solution failing its own tests)
@@ -268,7 +278,13 @@ def plan(problem: Any, split_tests: Any, full_test: Any) -> Plan:
         calls += rec
         spans.append((at, at + len(rec)))
         at += len(rec)
-    return Plan("split", "", tuple(tests), tuple(calls), tuple(spans))
+    the_plan = Plan("split", "", tuple(tests), tuple(calls), tuple(spans))
+    # the split path must give the canonical solution's own values a pass: a test that depends
+    # on anything else (an argument the solution mutates, object identity) cannot be split
+    failed = [why for ok, why in replay(problem, the_plan, values) if not ok]
+    if failed:
+        return nonce(f"the tests fail on the canonical solution's returned values: {failed[0]}")
+    return the_plan
 
 
 def replay(problem: Any, the_plan: Plan, values: list[tuple[str, Any] | None]

@@ -109,3 +109,32 @@ def _perturbed(problem: code.Problem) -> str:
             "        return 0\n"
             "    return [value]\n"
             "```")
+
+
+def test_plain_values_round_trip_and_anything_else_is_refused() -> None:
+    from rlmix_code import judge
+    values = [None, True, 0, -(2**200), 1.5, float("inf"), -0.0, 1j, "é", b"\x00",
+              [1, (2, 3)], {"a": {1, 2}}, frozenset({4}), ((),)]
+    for value in values:
+        back = judge.decode(judge.encode(value))
+        assert back == value and type(back) is type(value), value
+
+    class Sub(int):
+        pass
+
+    for bad in (Sub(1), [Sub(1)], object(), lambda: 0, range(3)):
+        with pytest.raises(judge.NotPlain):
+            judge.encode(bad)
+    for raw in ({"i": "zz"}, {"x": 1}, [1], {"d": [[{"l": []}, 1]]}, {"f": "1" * 100}, 3):
+        with pytest.raises(judge.NotPlain):
+            judge.decode(raw)
+
+
+def test_a_test_reading_a_mutated_argument_takes_the_nonce_path() -> None:
+    problem = code.Problem("mine/1", "def f(xs):\n    pass\n", "f",
+                           "def check(candidate):\n    xs = [3, 1]\n    candidate(xs)\n"
+                           "    assert xs == [1, 3]\n", canonical_solution="    xs.sort()\n")
+    the_plan = code.verification_plan(problem)
+    assert the_plan.path == "nonce" and "canonical solution's returned values" in the_plan.why
+    right, wrong = code.verify(["    xs.sort()\n", "    return [1, 3]\n"], [problem, problem])
+    assert right.all_passed and not wrong.all_passed
