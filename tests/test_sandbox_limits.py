@@ -213,3 +213,30 @@ def test_weak_mode_is_loud_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(RuntimeWarning, match="WEAKLY"):
         r = run_python("print(1)")
     assert r.status == "ok" and "weak" in r.isolation
+
+
+@FULL
+def test_a_run_dies_with_its_trainer() -> None:
+    """No parent enforces the timeout once the trainer is gone: the launcher's reapers carry
+    PR_SET_PDEATHSIG, so the run (PID namespace and all) ends with the trainer."""
+    import subprocess
+    trainer = textwrap.dedent("""
+        import os, threading, time
+        from rlmix import sandbox
+        print(sandbox._uid_base(), flush=True)
+        threading.Thread(target=sandbox.run_python, daemon=True,
+                         args=("import time\\nwhile True: time.sleep(1)",),
+                         kwargs={"timeout_s": 300}).start()
+        time.sleep(3)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True,
+                         timeout=120)
+    base = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [u for u in range(base, base + 256) if leftover_pids(u)]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == []

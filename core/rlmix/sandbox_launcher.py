@@ -42,7 +42,7 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41}  # SYS_pivot_root
-_PR_SET_NO_NEW_PRIVS, _PR_SET_DUMPABLE = 38, 4
+_PR_SET_NO_NEW_PRIVS, _PR_SET_DUMPABLE, _PR_SET_PDEATHSIG = 38, 4, 1
 # exit codes of a launcher failure (the parent reports them as ``sandbox_error``)
 _FAIL = 125
 
@@ -191,6 +191,12 @@ def main() -> None:
         _run_program(cfg)
         return
     libc, ctypes = _libc()
+    # if the trainer dies mid-run nobody enforces the timeout: die with it (the spawning thread
+    # waits for this process, so "parent death" means the trainer is gone)
+    trainer = os.getppid()
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != trainer:
+        _fail("start", "the trainer is gone")
     flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
     if libc.unshare(flags) != 0:
         _fail("unshare", os.strerror(ctypes.get_errno()))
@@ -206,6 +212,7 @@ def main() -> None:
         data = os.read(status_r, 64)
         _pass_on(int(data) if data.strip() else own)
     os.close(status_r)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cleared by fork: set again
     try:
         _build_root(cfg, libc, ctypes)
     except OSError as e:
