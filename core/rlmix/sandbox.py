@@ -49,7 +49,6 @@ head, stderr its tail, where a traceback ends).
 from __future__ import annotations
 
 import glob
-import json
 import marshal
 import os
 import shutil
@@ -152,17 +151,15 @@ def _shared_libraries(files: list[str]) -> list[str]:
 
 
 def _stdlib_dirs() -> list[str]:
-    """The folders ``python -I -S`` imports from: the standard library and its ``lib-dynload``
-    (for a venv, those of its base interpreter)."""
+    """The folders ``python -I -S`` imports from: the standard library and, where a build keeps
+    it outside, its ``lib-dynload`` (for a venv, those of its base interpreter)."""
+    import _json  # noqa: PLC0415  (an extension module: where lib-dynload is)
+
     dirs: list[str] = []
-    for mod in (os, json):  # a pure module and one with a C part, both standard
-        d = os.path.realpath(os.path.dirname(mod.__file__ or ""))
-        if d and d not in dirs:
-            dirs.append(d)
-    import _json  # noqa: PLC0415  (lib-dynload, where the build keeps it outside the binary)
-    so = getattr(_json, "__file__", None)
-    if so:
-        d = os.path.realpath(os.path.dirname(so))
+    for file in (os.__file__, getattr(_json, "__file__", None)):
+        if not file:
+            continue
+        d = os.path.realpath(os.path.dirname(file))
         if not any(d == x or d.startswith(x + os.sep) for x in dirs):
             dirs.append(d)
     return dirs
