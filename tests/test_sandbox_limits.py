@@ -215,6 +215,7 @@ def test_weak_mode_is_loud_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.status == "ok" and "weak" in r.isolation
 
 
+@pytest.mark.slow  # a child trainer starts, probes the machine and is killed: ~20 s under load
 @FULL
 def test_a_run_dies_with_its_trainer() -> None:
     """No parent enforces the timeout once the trainer is gone: the launcher's reapers carry
