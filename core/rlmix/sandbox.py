@@ -282,6 +282,22 @@ class _Cgroups:
             raise
         return group
 
+    @staticmethod
+    def remove_stale(where: tuple[str, list[str]]) -> None:
+        """Empty groups left by trainers that died mid-run (``rlmix-<pid>-...`` of a pid that is
+        gone): removed, so crashes do not pile them up."""
+        for parent in where[1]:
+            for d in glob.glob(os.path.join(parent, "rlmix-*-*-*")):
+                try:
+                    owner = int(os.path.basename(d).split("-")[1])
+                except ValueError:
+                    continue
+                if owner != os.getpid() and not os.path.exists(f"/proc/{owner}"):
+                    try:
+                        os.rmdir(d)  # fails (and is kept) while a process is still in it
+                    except OSError:
+                        pass
+
     @property
     def procs_files(self) -> list[str]:
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
@@ -395,6 +411,8 @@ def capabilities() -> dict[str, Any]:
         python = _interpreter()
         missing: list[str] = []
         cg = _Cgroups.probe() if root and linux else None
+        if cg is not None:
+            _Cgroups.remove_stale(cg)
         if cg is None:
             missing.append("cgroups (not root, or no writable memory+pids cgroup): "
                            "an RSS watchdog caps memory instead")
