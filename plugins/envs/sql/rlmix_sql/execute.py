@@ -2,8 +2,10 @@
 
 A query runs only if it is one ``SELECT`` / ``WITH`` statement, on a connection that is read-only
 three times over: the file is opened ``mode=ro``, ``PRAGMA query_only`` is on, and an authorizer
-allows only reads (no ATTACH, PRAGMA, writes or schema changes). A progress handler aborts it
-after ``timeout_ms``; at most ``max_rows + 1`` rows are fetched; strings and blobs are capped.
+allows only reads (no ATTACH, PRAGMA or pragma functions, writes, schema changes,
+``load_extension``, ``printf``). A progress handler aborts it after ``timeout_ms``; at most
+``max_rows + 1`` rows and ``MAX_RESULT_BYTES`` are fetched; strings and blobs are capped at
+``MAX_VALUE_BYTES``. The red-team suite (``tests/test_sql_redteam.py``) tries each way around.
 Nothing here raises: every failure is a ``QueryResult`` with an ``error`` (the reason).
 """
 
@@ -21,12 +23,16 @@ from urllib.parse import quote
 
 _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
                     getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
-_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
+# printf/format: a width such as printf('%.*c', 2000000000, 'x') runs for minutes inside one
+# function call, where neither the progress handler nor the length limit stops it
+_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer",
+                     "printf", "format"}
 _LEADING_COMMENT = re.compile(r"^\s*(?:--[^\n]*(?:\n|$)|/\*.*?\*/)", re.S)
 _FIRST_WORD = re.compile(r"^[\s(]*([A-Za-z]+)")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
 MAX_VALUE_BYTES = 1_000_000  # longest string or blob a query may build
 MAX_SQL_CHARS = 20_000
+MAX_RESULT_BYTES = 8_000_000  # all fetched values together (1000 rows of 1 MB would be 1 GB)
 
 
 @dataclass
@@ -123,8 +129,18 @@ def run_query(path: Path, sql: str, timeout_ms: int = 1000, max_rows: int = 1000
     conn.set_progress_handler(progress, steps_per_check)
     try:
         cursor = conn.execute(sql)
-        rows = cursor.fetchmany(max_rows + 1)
         columns = len(cursor.description or ())
+        rows, size = [], 0
+        for row in cursor:  # one at a time, so the size cap holds before memory is spent
+            rows.append(row)
+            size += sum(len(v) if isinstance(v, str | bytes) else 8 for v in row)
+            if size > MAX_RESULT_BYTES:
+                return QueryResult(None, f"result larger than {MAX_RESULT_BYTES} bytes", columns)
+            if len(rows) > max_rows or time.monotonic() > deadline:
+                break
+        if time.monotonic() > deadline and len(rows) <= max_rows:
+            timed_out = True
+            return QueryResult(None, f"query timed out after {timeout_ms} ms")
     except (sqlite3.Error, sqlite3.Warning, OverflowError, MemoryError, ValueError) as exc:
         if timed_out:
             return QueryResult(None, f"query timed out after {timeout_ms} ms")
