@@ -1,0 +1,196 @@
+"""Toy worlds for memory, case-retrieval and context plugins: what the model sees decides the
+score, and nothing in a world says which memory to show.
+
+* ``CaseEnv`` / ``CaseModel``: tasks of named *families*, each solved by one *procedure* word.
+  An *easy* task names its procedure in its own text, so the model solves it unaided; a *hard*
+  task does not, and the model solves it only when the harness part of its prompt shows a worked
+  case whose ``Solution: USE <procedure>`` is that family's procedure (the model copies the
+  first solution it sees). A family's surface words are free, so a world can make one family's
+  tasks read like another's: then the most similar past case is the wrong one.
+* ``ScriptedAgentEngine``: a multi-turn rollout engine for ``rlmix_episode`` envs driven by a
+  scripted agent (``agent(messages) -> text``) instead of a model. It re-sends the whole
+  conversation at every model call, as an API agent does, and counts the *input tokens* of each
+  call (``Episode.context``, when an episode has it, may rewrite the conversation first).
+
+Test fixtures only: nothing here is a shipped default.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import rlmix
+from rlmix.types import Prompt, RolloutBatch
+
+_SOLUTION = re.compile(r"Solution:\s*USE\s+(\w+)")
+_NAMED = re.compile(r"\bvia (\w+)\b")
+
+
+def _rows(n_prompts: int, n: int, texts: list[str], prompts: list[Prompt],
+          info: list[dict[str, Any]] | None = None) -> RolloutBatch:
+    rows = len(texts)
+    return RolloutBatch(group=torch.arange(n_prompts).repeat_interleave(n),
+                        tokens=torch.zeros(rows, 2, dtype=torch.long),
+                        attention_mask=torch.ones(rows, 2, dtype=torch.long),
+                        completion_mask=torch.tensor([[0.0, 1.0]] * rows),
+                        behavior_logp=torch.zeros(rows, 2),
+                        policy_version=torch.zeros(rows, dtype=torch.long), texts=texts,
+                        prompts=prompts, info=info or [])
+
+
+@dataclass
+class Family:
+    """One kind of task: ``words`` of its texts, the ``procedure`` that solves it, how often
+    (``easy_every``-th task of the family, counting from 0) a task names its procedure, and the
+    words of its hard tasks when they read differently (``hard_words``; "" = ``words``)."""
+
+    words: str
+    procedure: str
+    easy_every: int = 4
+    hard_words: str = ""
+
+
+@dataclass
+class CaseEnv:
+    """Task ``(step, i)`` is of family ``order[(step * P + i) % len(order)]`` (``P`` prompts per
+    step), easy when its running index in that family is a multiple of ``easy_every``. Prompt:
+    ``Task: {words} via {procedure}`` when easy, ``Task: {hard_words}`` when hard, then the harness
+    ``instructions``; harness ``system`` as a system message. Reward term ``correct``."""
+
+    families: dict[str, Family]
+    order: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = list(self.order or self.families)
+
+    def task(self, step: int, i: int, per_step: int) -> tuple[str, bool, str]:
+        """``(family, easy, text)`` of task ``(step, i)``."""
+        k = step * per_step + i
+        name = self.order[k % len(self.order)]
+        fam = self.families[name]
+        easy = (k // len(self.order)) % fam.easy_every == 0
+        text = (f"Task: {fam.words} via {fam.procedure}" if easy
+                else f"Task: {fam.hard_words or fam.words}")
+        return name, easy, text
+
+    @rlmix.hookimpl
+    def rlmix_prompts(self, run: Any, step: int) -> list[Prompt]:
+        per_step = int(run.config.train.prompts_per_step)
+        out = []
+        for i in range(per_step):
+            name, easy, text = self.task(step, i, per_step)
+            user = f"{text}. {run.harness.get('instructions', '')}".strip()
+            messages = [{"role": "user", "content": user}]
+            if run.harness.get("system"):
+                messages.insert(0, {"role": "system", "content": run.harness["system"]})
+            out.append(Prompt(messages=messages, answer=self.families[name].procedure,
+                              id=f"{step}-{i}", info={"family": name, "easy": easy}))
+        return out
+
+    @rlmix.hookimpl
+    def rlmix_score(self, run: Any, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        ok = [float(text.strip() == f"USE {p.answer}") for text, p in
+              zip(batch.texts, batch.prompts)]
+        return {"correct": torch.tensor(ok)}
+
+
+class CaseModel:
+    """A rollout engine for ``CaseEnv``: ``USE <p>`` when the task names its procedure ``p``,
+    else the first ``Solution: USE <p>`` shown in the harness part of the prompt, else
+    ``no idea``. Counts its rollouts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @staticmethod
+    def answer(prompt: Prompt) -> str:
+        user = prompt.messages[-1]["content"]
+        task = user.split(". ", 1)[0]
+        named = _NAMED.search(task)
+        if named:
+            return f"USE {named.group(1)}"
+        harness = " ".join(m["content"] for m in prompt.messages[:-1]) + " " + user[len(task):]
+        shown = _SOLUTION.search(harness)
+        return f"USE {shown.group(1)}" if shown else "no idea"
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> RolloutBatch:
+        texts = [self.answer(p) for p in request.prompts for _ in range(request.n)]
+        self.calls += len(texts)
+        return _rows(len(request.prompts), request.n, texts,
+                     [p for p in request.prompts for _ in range(request.n)])
+
+
+# ---------------------------------------------------------------- scripted multi-turn agents
+
+Agent = Callable[[list[dict[str, str]]], str]
+
+
+def count_tokens(messages: Sequence[dict[str, str]], tokenizer: Any = None) -> int:
+    """Input tokens of one model call: the tokenizer's tokens of every message's content plus 4
+    per message (role and separators), or whitespace words when there is no tokenizer."""
+    total = 0
+    for m in messages:
+        text = str(m["content"])
+        total += 4 + (len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                      if tokenizer is not None else len(text.split()))
+    return total
+
+
+class ScriptedAgentEngine:
+    """``rlmix_generate`` that drives each sample's ``rlmix_episode`` with ``agent`` (a function
+    of the conversation so far) for at most ``max_turns`` model calls. Before each call the
+    conversation is passed through the episode's optional ``context(messages)`` (an episode may
+    drop what it no longer needs) and its input tokens are counted. ``batch.info[i]["episode"]``
+    holds ``turns`` (as the ``hf`` engine records them), ``model_text``, ``input_tokens`` (the
+    sum over calls), ``calls`` and ``final`` (the agent's last turn). Prompts without an episode
+    get one call on their messages."""
+
+    def __init__(self, agent: Agent, max_turns: int = 12, tokenizer: Any = None) -> None:
+        self.agent, self.max_turns, self.tokenizer = agent, max_turns, tokenizer
+        self.calls = 0
+        self.contexts: list[list[dict[str, str]]] = []  # every call's input, in order
+
+    def drive(self, episode: Any, prompt: Prompt) -> dict[str, Any]:
+        conversation = list(episode.reset()) if episode is not None else list(prompt.messages)
+        turns: list[dict[str, Any]] = []
+        tokens = 0
+        calls = 0
+        text = ""
+        for _ in range(self.max_turns):
+            shaper = getattr(episode, "context", None)
+            seen = list(shaper(list(conversation))) if callable(shaper) else list(conversation)
+            self.contexts.append(seen)
+            tokens += count_tokens(seen, self.tokenizer)
+            calls += 1
+            text = self.agent(seen)
+            if episode is None:
+                turns.append({"assistant": text, "end": "eos"})
+                break
+            result = episode.step(text)
+            turns.append({"assistant": text, "end": "stop", "messages": list(result.messages),
+                          "info": dict(result.info)})
+            if result.done:
+                break
+            conversation += [{"role": "assistant", "content": text}, *result.messages]
+        self.calls += calls
+        return {"turns": turns, "model_text": "".join(t["assistant"] for t in turns),
+                "input_tokens": tokens, "calls": calls, "final": text,
+                "stop_reason": "done", "model_tokens": 0, "env_tokens": 0}
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> RolloutBatch:
+        texts, prompts, info = [], [], []
+        for p in request.prompts:
+            for _ in range(request.n):
+                episode = run.hook.rlmix_episode(run=run, prompt=p)
+                record = self.drive(episode, p)
+                texts.append(record["model_text"])
+                prompts.append(p)
+                info.append({"episode": record})
+        return _rows(len(request.prompts), request.n, texts, prompts, info)
