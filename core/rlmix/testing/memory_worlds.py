@@ -194,3 +194,137 @@ class ScriptedAgentEngine:
                 prompts.append(p)
                 info.append({"episode": record})
         return _rows(len(request.prompts), request.n, texts, prompts, info)
+
+
+# ---------------------------------------------------------------- multi-turn workflows
+
+_OFFER = re.compile(r"state: (\w+); actions: ([\w, ]+)")
+_CALL = re.compile(r"<tool>\s*(.*?)\s*</tool>", re.S)
+
+
+@dataclass
+class Workflow:
+    """A task family's state machine: ``moves[state][action] = next state`` and
+    ``broken[state][action] = error message`` (a call the env refuses: the state stays).
+    ``offers[state]`` is the order the env lists a state's actions in (default: broken calls
+    first, then moves). The episode starts in ``start`` and succeeds on reaching ``done``."""
+
+    moves: dict[str, dict[str, str]]
+    broken: dict[str, dict[str, str]] = field(default_factory=dict)
+    offers: dict[str, list[str]] = field(default_factory=dict)
+
+    def offered(self, state: str) -> list[str]:
+        if state in self.offers:
+            return list(self.offers[state])
+        return [*self.broken.get(state, {}), *self.moves.get(state, {})]
+
+
+class WorkflowEpisode:
+    """One task of a ``Workflow``: every observation ends ``state: S; actions: a, b``. A call is
+    ``<tool>ACTION</tool>``; a broken call returns ``error: ...`` (``info["error"]``,
+    ``info["kind"] = "malformed"``); ``info["state"]`` is the state after the turn."""
+
+    stop_strings = ("</tool>",)
+
+    def __init__(self, prompt: Prompt, flow: Workflow) -> None:
+        self.prompt, self.flow, self.state = prompt, flow, "start"
+
+    def observation(self) -> str:
+        return f"state: {self.state}; actions: {', '.join(self.flow.offered(self.state))}"
+
+    def reset(self) -> list[dict[str, str]]:
+        messages = [dict(m) for m in self.prompt.messages]
+        messages[-1]["content"] += f"\n{self.observation()}"
+        return messages
+
+    def step(self, assistant_text: str) -> Any:
+        from rlmix.types import StepResult
+
+        found = _CALL.search(assistant_text)
+        action = found.group(1).strip() if found else ""
+        before = self.state
+        info: dict[str, Any] = {"action": action, "from": before}
+        if action in self.flow.broken.get(before, {}):
+            info.update(error=self.flow.broken[before][action], kind="malformed", state=before)
+            return StepResult(messages=[{"role": "tool", "content":
+                                         f"error: {info['error']}. {self.observation()}"}],
+                              info=info)
+        if action not in self.flow.moves.get(before, {}):
+            info.update(error=f"no action {action!r} here", kind="unknown", state=before)
+            return StepResult(messages=[{"role": "tool", "content":
+                                         f"error: {info['error']}. {self.observation()}"}],
+                              info=info)
+        self.state = self.flow.moves[before][action]
+        info["state"] = self.state
+        if self.state == "done":
+            return StepResult(done=True, info=info)
+        return StepResult(messages=[{"role": "tool", "content": f"ok. {self.observation()}"}],
+                          info=info)
+
+
+@dataclass
+class WorkflowEnv:
+    """Task ``(step, i)`` is of workflow ``order[(step * P + i) % len(order)]``; prompt
+    ``{name} task {step}.{i}: reach done.`` with the harness ``instructions``, the harness
+    ``system`` as a system message; episodes through ``rlmix_episode``. Reward term ``correct``:
+    the episode reached ``done``."""
+
+    flows: dict[str, Workflow]
+    order: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.order = list(self.order or self.flows)
+
+    @rlmix.hookimpl
+    def rlmix_prompts(self, run: Any, step: int) -> list[Prompt]:
+        per_step = int(run.config.train.prompts_per_step)
+        out = []
+        for i in range(per_step):
+            name = self.order[(step * per_step + i) % len(self.order)]
+            user = f"{name} task {step}.{i}: reach done. {run.harness.get('instructions', '')}"
+            messages = [{"role": "system", "content": run.harness.get("system", "")},
+                        {"role": "user", "content": user.strip()}]
+            out.append(Prompt(messages=messages, answer="done", id=f"{step}-{i}",
+                              info={"workflow": name, "state": "start"}))
+        return out
+
+    @rlmix.hookimpl
+    def rlmix_episode(self, run: Any, prompt: Prompt) -> Any:
+        name = prompt.info.get("workflow")
+        return WorkflowEpisode(prompt, self.flows[name]) if name in self.flows else None
+
+    @rlmix.hookimpl
+    def rlmix_score(self, run: Any, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        ok = []
+        for info in batch.info:
+            turns = (info.get("episode") or {}).get("turns", [])
+            ok.append(float(bool(turns) and turns[-1].get("info", {}).get("state") == "done"))
+        return {"correct": torch.tensor(ok)}
+
+
+def workflow_agent(messages: list[dict[str, str]]) -> str:
+    """A scripted agent for ``WorkflowEnv``: in the current state it calls the first offered
+    action it has not tried there since arriving, unless its context holds a line
+    ``... in state S ... use `R` ...`` for the current state ``S`` with ``R`` on offer: then
+    ``R``. It never remembers anything between episodes."""
+    state, offered, tried = "", [], []
+    for m in messages:
+        found = _OFFER.findall(m["content"])
+        if found and m["role"] != "assistant":
+            new_state, acts = found[-1]
+            if new_state != state:  # arrived somewhere new: nothing tried here yet
+                tried = []
+            state, offered = new_state, [a.strip() for a in acts.split(",")]
+        if m["role"] == "assistant":
+            call = _CALL.search(m["content"])
+            if call:
+                tried.append(call.group(1).strip())
+    text = "\n".join(m["content"] for m in messages)
+    advice = re.findall(rf"in state {re.escape(state)}\b[^\n]*?use `([^`]+)`", text, re.I)
+    for action in reversed(advice):
+        if action in offered:
+            return f"<tool>{action}</tool>"
+    for action in offered:
+        if action not in tried:
+            return f"<tool>{action}</tool>"
+    return f"<tool>{offered[0] if offered else 'stop'}</tool>"
