@@ -328,3 +328,32 @@ def workflow_agent(messages: list[dict[str, str]]) -> str:
         if action not in tried:
             return f"<tool>{action}</tool>"
     return f"<tool>{offered[0] if offered else 'stop'}</tool>"
+
+
+# ---------------------------------------------------------------- a tools agent that re-checks
+
+_COMPUTE = re.compile(r"Compute (.+?)\.(?:\s|$)")
+_RESULT = re.compile(r"result: (-?\d+)")
+
+
+def checking_tool_agent(checks: int = 3, chatter: int = 40) -> Agent:
+    """A scripted agent for the ``tools`` env that repeats its calls: it runs the same verbose
+    Python program ``checks`` times (a line ``evaluating ...``, ``chatter`` identical progress
+    lines, blank lines, then ``result: N``), then answers with the number of the last
+    ``result: N`` line it can see in its context (0 when it sees none). Its answer depends on
+    the tool's output, so a context that lost the result changes it."""
+
+    def agent(messages: list[dict[str, str]]) -> str:
+        user = next((m["content"] for m in messages if m["role"] == "user"), "")
+        task = _COMPUTE.search(user)
+        expression = task.group(1) if task else "0"
+        calls = sum("<tool>python" in m["content"] for m in messages if m["role"] == "assistant")
+        if calls < checks:
+            program = (f"x = {expression}\nprint('evaluating', {expression!r})\n"
+                       f"for _ in range({chatter}):\n    print('working on it...')\n"
+                       "print()\nprint()\nprint('result:', x)")
+            return f"<tool>python:\n{program}\n</tool>"
+        found = [n for m in messages if m["role"] == "tool" for n in _RESULT.findall(m["content"])]
+        return f"<answer>{found[-1] if found else 0}</answer>"
+
+    return agent
