@@ -153,7 +153,8 @@ class ScriptedAgentEngine:
 
     def __init__(self, agent: Agent, max_turns: int = 12, tokenizer: Any = None) -> None:
         self.agent, self.max_turns, self.tokenizer = agent, max_turns, tokenizer
-        self.calls = 0
+        self.calls = 0  # model calls
+        self.episodes = 0  # rollouts (one per sample)
         self.contexts: list[list[dict[str, str]]] = []  # every call's input, in order
 
     def drive(self, episode: Any, prompt: Prompt) -> dict[str, Any]:
@@ -179,6 +180,7 @@ class ScriptedAgentEngine:
                 break
             conversation += [{"role": "assistant", "content": text}, *result.messages]
         self.calls += calls
+        self.episodes += 1
         return {"turns": turns, "model_text": "".join(t["assistant"] for t in turns),
                 "input_tokens": tokens, "calls": calls, "final": text,
                 "stop_reason": "done", "model_tokens": 0, "env_tokens": 0}
@@ -207,11 +209,13 @@ class Workflow:
     """A task family's state machine: ``moves[state][action] = next state`` and
     ``broken[state][action] = error message`` (a call the env refuses: the state stays).
     ``offers[state]`` is the order the env lists a state's actions in (default: broken calls
-    first, then moves). The episode starts in ``start`` and succeeds on reaching ``done``."""
+    first, then moves). The episode starts in ``start`` and succeeds on reaching ``done``.
+    ``page`` is text every observation carries before its state line, as verbose envs do."""
 
     moves: dict[str, dict[str, str]]
     broken: dict[str, dict[str, str]] = field(default_factory=dict)
     offers: dict[str, list[str]] = field(default_factory=dict)
+    page: str = ""  # text every observation starts with (a page, a listing: verbose envs)
 
     def offered(self, state: str) -> list[str]:
         if state in self.offers:
@@ -230,7 +234,8 @@ class WorkflowEpisode:
         self.prompt, self.flow, self.state = prompt, flow, "start"
 
     def observation(self) -> str:
-        return f"state: {self.state}; actions: {', '.join(self.flow.offered(self.state))}"
+        line = f"state: {self.state}; actions: {', '.join(self.flow.offered(self.state))}"
+        return f"{self.flow.page} {line}".strip()
 
     def reset(self) -> list[dict[str, str]]:
         messages = [dict(m) for m in self.prompt.messages]
@@ -305,8 +310,10 @@ class WorkflowEnv:
 def workflow_agent(messages: list[dict[str, str]]) -> str:
     """A scripted agent for ``WorkflowEnv``: in the current state it calls the first offered
     action it has not tried there since arriving, unless its context holds a line
-    ``... in state S ... use `R` ...`` for the current state ``S`` with ``R`` on offer: then
-    ``R``. It never remembers anything between episodes."""
+    ``... in state S ... use `R` ...`` or a transcript line ``state S: called `R` -> ok`` for
+    the current state ``S`` with ``R`` on offer: then ``R``; a call its context says fails in
+    ``S`` (``in state S: `b` fails`` or ``state S: called `b` -> error``) counts as tried. It
+    never remembers anything between episodes."""
     state, offered, tried = "", [], []
     for m in messages:
         found = _OFFER.findall(m["content"])
@@ -321,9 +328,15 @@ def workflow_agent(messages: list[dict[str, str]]) -> str:
                 tried.append(call.group(1).strip())
     text = "\n".join(m["content"] for m in messages)
     advice = re.findall(rf"in state {re.escape(state)}\b[^\n]*?use `([^`]+)`", text, re.I)
+    # a transcript of an earlier attempt: "state S: called `R` -> ok..."
+    advice += re.findall(rf"state {re.escape(state)}: called `([^`]+)` -> ok", text, re.I)
     for action in reversed(advice):
         if action in offered:
             return f"<tool>{action}</tool>"
+    # calls its context says fail in this state count as tried
+    here = re.escape(state)
+    tried += re.findall(rf"in state {here}: `([^`]+)` fails", text, re.I)
+    tried += re.findall(rf"state {here}: called `([^`]+)` -> error", text, re.I)
     for action in offered:
         if action not in tried:
             return f"<tool>{action}</tool>"

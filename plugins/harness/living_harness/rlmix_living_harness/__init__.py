@@ -50,11 +50,12 @@ from rlmix.harness import (
     user_text,
 )
 from rlmix.lm import LMSettings
+from rlmix.trajectories import tool_call as action_of
+from rlmix.trajectories import walk
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run, StepResult
 
 NAME = "living_harness"
 EVOLVES = ("rule", "lm")
-_CALL = re.compile(r"<tool>\s*(.*?)\s*</tool>", re.S)
 _REPAIR = re.compile(r"^\s*REPAIR\s*:\s*state\s*=\s*(\S+)\s*\|\s*fails\s*=\s*(.+?)\s*\|\s*"
                      r"use\s*=\s*(.+?)\s*$", re.I | re.M)
 
@@ -98,26 +99,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------- trajectories (pure)
-
-
-def action_of(text: str) -> str:
-    """The call inside the last ``<tool>...</tool>`` of a turn, else the turn's text."""
-    calls = _CALL.findall(text)
-    return " ".join((calls[-1] if calls else text).split())
-
-
-def walk(turns: Sequence[dict[str, Any]], start: str, state_key: str
-         ) -> list[dict[str, Any]]:
-    """Per turn: ``{from, action, to, error}`` (``to`` = the env's state after the turn, or the
-    state before when the env reports none)."""
-    out, state = [], start
-    for t in turns:
-        info = t.get("info") or {}
-        to = str(info.get(state_key, state))
-        out.append({"from": state, "action": action_of(t.get("assistant", "")), "to": to,
-                    "error": str(info.get("error") or "")})
-        state = to
-    return out
 
 
 def repairs(steps: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
