@@ -370,3 +370,89 @@ def checking_tool_agent(checks: int = 3, chatter: int = 40) -> Agent:
         return f"<answer>{found[-1] if found else 0}</answer>"
 
     return agent
+
+
+# ---------------------------------------------------------------- rules learnt from examples
+
+_RULE_TASK = re.compile(r"Convert (-?\d+) using rule (\w+)\.")
+_LAST_INT = re.compile(r"-?\d+")
+
+
+@dataclass
+class RuleEnv:
+    """Task ``(step, i)``: ``Convert {x} using rule {R}.``, the answer ``x + offsets[R]``; the
+    rule is ``rules[(step * P + i) % len(rules)]`` and ``x`` is drawn from ``10..99`` seeded by
+    ``(seed, step, i)``. Reward term ``correct``: the reply's last integer is the answer."""
+
+    offsets: dict[str, int]
+    seed: int = 0
+
+    @rlmix.hookimpl
+    def rlmix_prompts(self, run: Any, step: int) -> list[Prompt]:
+        import random
+
+        per_step = int(run.config.train.prompts_per_step)
+        names = list(self.offsets)
+        out = []
+        for i in range(per_step):
+            rule = names[(step * per_step + i) % len(names)]
+            x = random.Random(f"{self.seed}-{step}-{i}").randint(10, 99)
+            out.append(Prompt(messages=[{"role": "user",
+                                         "content": f"Convert {x} using rule {rule}."}],
+                              answer=x + self.offsets[rule], id=f"{step}-{i}",
+                              info={"rule": rule}))
+        return out
+
+    @rlmix.hookimpl
+    def rlmix_score(self, run: Any, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        ok = []
+        for text, p in zip(batch.texts, batch.prompts):
+            found = _LAST_INT.findall(text)
+            ok.append(float(bool(found) and int(found[-1]) == int(p.answer)))
+        return {"correct": torch.tensor(ok)}
+
+    def teacher(self, prompt: str) -> str:
+        """A teacher for ``ScriptedLM(reply=...)``: knows every rule."""
+        found = _RULE_TASK.findall(prompt)
+        if not found:
+            return "I cannot tell."
+        x, rule = found[-1]
+        return f"The answer is {int(x) + self.offsets[rule]}"
+
+
+class DemoStudent:
+    """A rollout engine for ``RuleEnv`` that knows no rule: it infers a rule's offset from a
+    demonstration in its context (an earlier user turn ``Convert a using rule R.`` answered
+    with a number ``b``: offset ``b - a``) of the same rule as its task, and is then right with
+    probability ``skill`` per sample (off by one otherwise); with no such demonstration it
+    guesses an offset in ``0..9`` per sample. Sampling is seeded by the prompt and sample."""
+
+    def __init__(self, skill: float = 0.9, seed: int = 0) -> None:
+        self.skill, self.seed = skill, seed
+        self.calls = 0  # completions generated
+
+    def answer(self, prompt: Prompt, k: int) -> str:
+        import random
+
+        rng = random.Random(f"{self.seed}-{prompt.id}-{prompt.messages[-1]['content']}-{k}")
+        task = _RULE_TASK.search(prompt.messages[-1]["content"])
+        if task is None:
+            return "no idea"
+        x, rule = int(task.group(1)), task.group(2)
+        offset = None
+        for m, reply in zip(prompt.messages[:-1], prompt.messages[1:-1]):
+            demo = _RULE_TASK.search(m["content"]) if m["role"] == "user" else None
+            numbers = _LAST_INT.findall(reply["content"]) if reply["role"] == "assistant" else []
+            if demo and numbers and demo.group(2) == rule:
+                offset = int(numbers[-1]) - int(demo.group(1))
+        if offset is None:
+            return f"The answer is {x + rng.randint(0, 9)}"
+        slip = 0 if rng.random() < self.skill else rng.choice((-1, 1))
+        return f"The answer is {x + offset + slip}"
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> RolloutBatch:
+        texts = [self.answer(p, k) for p in request.prompts for k in range(request.n)]
+        self.calls += len(texts)
+        return _rows(len(request.prompts), request.n, texts,
+                     [p for p in request.prompts for _ in range(request.n)])
