@@ -20,9 +20,11 @@ teacher is an ``rlmix.lm`` model):
    + reply) are counted.
 
 ``mode: teacher`` always defers (teacher-only), ``mode: student`` never does (student-only);
-both are the claim's baselines. The caller gets its ``n`` rows per prompt; a row answered by
-the teacher carries the teacher's text with ``completion_mask`` zeroed, so no trainer learns
-from tokens the student did not produce. State (bank, counters) in ``run.state["icl_cascade"]``.
+both are the claim's baselines. The caller gets its ``n`` rows per prompt; in harness-only mode
+(``teacher_rows: auto``) a row answered by the teacher carries the teacher's text with
+``completion_mask`` zeroed, so no trainer learns from tokens the student did not produce; when
+training, the student's own samples are kept (the teacher's reply is in ``info``). State (bank,
+counters) in ``run.state["icl_cascade"]``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 NAME = "icl_cascade"
 MODES = ("cascade", "teacher", "student")
+TEACHER_ROWS = ("auto", "replace", "keep")
 ANSWERS = ("last_number", "text", "regex")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _LOCK = threading.Lock()
@@ -65,10 +68,14 @@ class Settings:
     max_demos: int = 256  # bank cap: the least used, then the oldest, is evicted
     min_similarity: float = 0.0  # demonstrations less similar than this are not shown
     text_chars: int = 400  # a banked task or reply is cut to this many characters
+    # a deferred task's rows: replace (the teacher's text, completion_mask zeroed), keep (the
+    # student's own samples; the teacher's reply only in info), auto (replace in harness-only
+    # mode, keep when training: RL learns from the student's own samples)
+    teacher_rows: str = "auto"
     lm: LMSettings = field(default_factory=LMSettings)  # the teacher
 
     def __post_init__(self) -> None:
-        rlmix.check_choices(self, mode=MODES, answer=ANSWERS)
+        rlmix.check_choices(self, mode=MODES, answer=ANSWERS, teacher_rows=TEACHER_ROWS)
         if self.k < 0:
             raise ValueError(f"k: must be >= 0, got {self.k}")
         if self.samples < 1:
@@ -210,6 +217,8 @@ def finish(run: Run, prompts: list[Prompt], n: int, student: RolloutBatch) -> Ro
                                 s.max_demos)
                 state["evicted"] += len(gone)
             state["teacher_calls"] += len(deferred)
+    replace = s.teacher_rows == "replace" or (
+        s.teacher_rows == "auto" and str(run.config.train.mode) == "harness-only")
     out = student.select(rows)
     out.info = [dict(x) for x in out.info]
     out.completion_mask = out.completion_mask.clone()
@@ -219,6 +228,8 @@ def finish(run: Run, prompts: list[Prompt], n: int, student: RolloutBatch) -> Ro
         source = "student" if trusted else "teacher"
         out.info[j][NAME] = {"share": share, "majority": best, "source": source}
         if not trusted:
+            out.info[j][NAME]["teacher"] = replies[i]
+        if not trusted and replace:
             out.texts[j] = replies[i]
             out.completion_mask[j] = 0.0  # the student did not produce these tokens
     with _LOCK:

@@ -123,6 +123,12 @@ def test_rows_sources_and_masks(tmp_path):
     assert [p.messages[-1]["content"] for p in prompts] == \
         [p.messages[-1]["content"] for p in again.prompts]
     assert len(again.prompts[0].messages) > len(prompts[0].messages)  # demonstrations shown
+    # when training (train.mode: rl), a deferred task keeps the student's own samples
+    rl, _, _ = rule_run(tmp_path / "rl", "train.mode=rl")
+    kept = rl.generate(rl.hook.rlmix_prompts(run=rl, step=0), n=1)
+    assert all(i["icl_cascade"]["source"] == "teacher" for i in kept.info)
+    assert all(i["icl_cascade"]["teacher"] != t for i, t in zip(kept.info, kept.texts))
+    assert float(kept.completion_mask.sum()) > 0
 
 
 def test_bank_is_capped_and_resumes(tmp_path):
@@ -145,7 +151,8 @@ def test_bank_is_capped_and_resumes(tmp_path):
 @pytest.mark.parametrize(("override", "key"), [
     ("icl_cascade.mode=magic", "icl_cascade.mode"), ("icl_cascade.tau=0", "icl_cascade.tau"),
     ("icl_cascade.samples=0", "icl_cascade.samples"),
-    ("icl_cascade.answer=regex", "icl_cascade.regex")])
+    ("icl_cascade.answer=regex", "icl_cascade.regex"),
+    ("icl_cascade.teacher_rows=drop", "icl_cascade.teacher_rows")])
 def test_settings_errors_name_the_key(override, key):
     with pytest.raises(rlmix.ManifestError, match=key.replace(".", r"\.")):
         make_run({"icl_cascade": ic}, [override])
