@@ -1,14 +1,17 @@
-"""A toy world for harness search where the harness is a path of edits through a fixed
-landscape of scores, and the feedback is sparse: a task is right or wrong, nothing more.
+"""Toy worlds for harness search with sparse feedback: a task is right or wrong, nothing more,
+so a proposer cannot read the next edit off the traces and the search itself is the story.
 
-The harness component ``instructions`` holds space-separated edit tokens; the tuple of tokens
-is the *path*. A ``Landscape`` maps each path to the fraction of tasks answered right under it
-and lists the tokens a proposer may append to it (its children). Task ``(step, i)`` has a
-difficulty level ``(step * prompts_per_step + i) % levels``; the ``LandscapeModel`` rollout
-engine answers it right exactly when ``level < score(path) * levels``, so a path's mean over
-``levels`` consecutive tasks is its score. The scorer's feedback says only right or wrong, so
-a proposer cannot read the next edit off the traces: ``landscape_proposer`` appends a random
-child token (seeded). Which node a search expands is then the whole story.
+A world scores a harness (its component texts) by the fraction of tasks answered right. Task
+``(step, i)`` has a difficulty level ``(step * prompts_per_step + i) % levels``; the
+``LandscapeModel`` rollout engine answers it right exactly when ``level < score * levels``, so
+a harness's mean over ``levels`` consecutive tasks is its score.
+
+- ``Landscape``: the component ``instructions`` holds space-separated edit tokens (a *path*);
+  ``value(path)`` is its score and ``children(path)`` the tokens a proposer may append
+  (``landscape_proposer``). ``deceptive_landscape`` has a stepping stone.
+- ``ComponentWorld``: several components, each holding one option token; ``value`` scores the
+  tuple of options (epistatic tables), ``component_proposer`` offers a random option for the
+  component the prompt names. ``trap_world`` has a local optimum one edit from its start.
 
 Test fixtures only: nothing here is a shipped default.
 """
@@ -69,19 +72,68 @@ def deceptive_landscape(plateau_depth: int = 6) -> Landscape:
 
 
 @dataclass
-class LandscapeEnv:
-    """Prompts ``Task {step}.{i}. {instructions}``; reward term ``correct``; no feedback."""
+class ComponentWorld:
+    """``components`` each hold one token of ``options``; ``value(tokens)`` scores the tuple
+    of tokens in component order."""
 
-    world: Landscape
+    components: tuple[str, ...]
+    options: tuple[str, ...]
+    value: Callable[[tuple[str, ...]], float]
+    levels: int = 8
+
+    def score_of(self, harness: dict[str, str]) -> float:
+        return float(self.value(tuple(harness.get(c, "").strip() for c in self.components)))
+
+
+def trap_world() -> ComponentWorld:
+    """Three components ``c1 c2 c3`` with options ``A B C``; the best harness is ``B C B``
+    (8/8). ``c1 = A, c2 = A`` is a weaker synergy (+3/8) than ``c1 = B, c2 = C`` (+5/8), and
+    ``c3`` adds 2/8 with ``B`` only inside the strong synergy, else 1/8 with ``A``. From the
+    start ``A A B`` (4/8, with ``c3`` already right), overwriting ``c3`` with ``A`` scores 5/8
+    (it loses the right ``c3``), and from ``A A A`` every single edit scores lower: a
+    one-candidate search that accepts what does not lose is trapped there."""
+
+    def value(t: tuple[str, ...]) -> float:
+        c1, c2, c3 = t
+        eighths = 1
+        strong = c1 == "B" and c2 == "C"
+        if c1 == "A" and c2 == "A":
+            eighths += 3
+        elif strong:
+            eighths += 5
+        if strong and c3 == "B":
+            eighths += 2
+        elif c3 == "A":
+            eighths += 1
+        return eighths / 8
+
+    return ComponentWorld(components=("c1", "c2", "c3"), options=("A", "B", "C"), value=value)
+
+
+def _harness_of(world: Landscape | ComponentWorld, harness: dict[str, str]) -> float:
+    if isinstance(world, ComponentWorld):
+        return world.score_of(harness)
+    return world.score(path_of(harness.get("instructions", "")))
+
+
+def _components(world: Landscape | ComponentWorld) -> tuple[str, ...]:
+    return world.components if isinstance(world, ComponentWorld) else ("instructions",)
+
+
+@dataclass
+class LandscapeEnv:
+    """Prompts ``Task {step}.{i}.`` followed by ``[name] text`` for each of the world's
+    components; reward term ``correct``; no feedback."""
+
+    world: Landscape | ComponentWorld
     prompts_made: int = 0
 
     @rlmix.hookimpl
     def rlmix_prompts(self, run: Any, step: int) -> list[Prompt]:
-        text = run.harness.get("instructions", "")
+        parts = " ".join(f"[{c}] {run.harness.get(c, '')}" for c in _components(self.world))
         out = []
         for i in range(int(run.config.train.prompts_per_step)):
-            user = f"Task {step}.{i}. {text}".strip()
-            out.append(Prompt(messages=[{"role": "user", "content": user}],
+            out.append(Prompt(messages=[{"role": "user", "content": f"Task {step}.{i}. {parts}"}],
                               answer=f"{step}.{i}", id=f"{step}-{i}"))
         self.prompts_made += len(out)
         return out
@@ -92,11 +144,14 @@ class LandscapeEnv:
         return {"correct": torch.tensor(right)}
 
 
-class LandscapeModel:
-    """The rollout engine of the world: right on a task exactly when its level is below the
-    prompt's path score times ``levels``. Counts its rollouts."""
+_PART = re.compile(r"\[(\w+)\] ([^\[]*)")
 
-    def __init__(self, world: Landscape) -> None:
+
+class LandscapeModel:
+    """The rollout engine of a world: right on a task exactly when its level is below the
+    prompt's harness score times ``levels``. Counts its rollouts."""
+
+    def __init__(self, world: Landscape | ComponentWorld) -> None:
         self.world = world
         self.calls = 0
 
@@ -104,10 +159,10 @@ class LandscapeModel:
         user = prompt.messages[-1]["content"]
         found = _TASK.match(user)
         step, i = int(found.group(1)), int(found.group(2))
-        path = path_of(user[found.end():])
+        harness = {k: v.strip() for k, v in _PART.findall(user[found.end():])}
         per_step = int(run.config.train.prompts_per_step)
         level = (step * per_step + i) % self.world.levels
-        ok = level < round(self.world.score(path) * self.world.levels)
+        ok = level < round(_harness_of(self.world, harness) * self.world.levels)
         return f"ANSWER {step}.{i}" if ok else "no idea"
 
     @rlmix.hookimpl
@@ -123,6 +178,21 @@ class LandscapeModel:
                             behavior_logp=torch.zeros(n, 2),
                             policy_version=torch.zeros(n, dtype=torch.long), texts=texts,
                             prompts=prompts)
+
+
+def component_proposer(world: ComponentWorld, seed: int = 0) -> Callable[[str], str]:
+    """A scripted reflection LM for a ``ComponentWorld``: finds the component the prompt names
+    (``called "<name>"``) and the texts it lists between ``` fences, and answers with an option
+    drawn at random (seeded) among those not listed, or among all when every one is. It reads
+    no feedback (there is none)."""
+    rng = random.Random(seed)
+
+    def reply(prompt: str) -> str:
+        listed = {t.strip() for t in _FENCE.findall(prompt)}
+        fresh = [o for o in world.options if o not in listed] or list(world.options)
+        return "```\n" + rng.choice(fresh) + "\n```"
+
+    return reply
 
 
 def landscape_proposer(world: Landscape, seed: int = 0) -> Callable[[str], str]:
@@ -148,7 +218,7 @@ def landscape_proposer(world: Landscape, seed: int = 0) -> Callable[[str], str]:
     return reply
 
 
-def landscape_plugins(world: Landscape) -> dict[str, Any]:
+def landscape_plugins(world: Landscape | ComponentWorld) -> dict[str, Any]:
     """``{"landenv": env, "landmodel": model}`` for ``rlmix.testing.make_run``; the metric is
     ``landenv.correct``."""
     return {"landenv": LandscapeEnv(world), "landmodel": LandscapeModel(world)}
