@@ -11,10 +11,10 @@ Each ``rlmix_evolve`` call is one round:
    not on the best path is pruned: the best path's alternatives are never deleted.
 3. **Evaluate** the best path with the new alternative swapped in, and ``explore_paths`` more
    unseen paths: first recombinations one alternative away from the best path
-   (``recombine_near``), then the path with the largest summed upper confidence bound on
-   alternative credit (``ucb_path``), each repaired (``repair_path``) so every alternative's declared
-   dependencies hold. Every evaluation credits each alternative on its path with the path's
-   mean score.
+   (``recombine_near``), then by untried alternatives, unseen pairs and the summed upper
+   confidence bound on alternative credit (``ucb_path``), each repaired (``repair_path``) so
+   every alternative's declared dependencies hold. Every evaluation credits each alternative
+   on its path with the path's mean score.
 4. **Apply** the best path seen as a ``HarnessUpdate`` when it changed.
 
 ``representation: overwrite`` is the baseline the paper argues against: one candidate, the new
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,7 +68,6 @@ class Settings:
     task_step_base: int = 1_400_000  # tasks are rlmix_prompts(run, task_step_base + k)
     feedback_chars: int = 300  # per trace shown to the reflection LM
     traces_per_prompt: int = 4
-    seed: int = 0
     lm: LMSettings = field(default_factory=LMSettings)
 
     def __post_init__(self) -> None:
@@ -266,7 +264,8 @@ def init_state(run: Run) -> dict[str, Any]:
         "components": names, "tasks": [list(t) for t in pool["selection"]],
         "alternatives": [[run.harness[c]] for c in names],
         "requires": [[{}] for _ in names], "credit": [[[0.0, 0]] for _ in names],
-        "mutations": [0 for _ in names], "stale": [0 for _ in names], "paths": {}, "best_path": [0] * len(names),
+        "mutations": [0 for _ in names], "stale": [0 for _ in names], "paths": {},
+        "best_path": [0] * len(names),
         "best_score": -1.0, "best_traces": [], "metric_calls": 0, "round": 0,
         "applied": None, "pruned": [], "history": []}
     _evaluate(run, state, tuple([0] * len(names)))

@@ -146,7 +146,7 @@ BUDGET = 160  # 20 path evaluations of 8 tasks
 def search(tmp_path, representation, seed):
     run, world = world_run(tmp_path / f"{representation}-{seed}", f"evolattice.budget={BUDGET}",
                            f"evolattice.representation={representation}",
-                           f"evolattice.seed={seed}", "evolattice.max_alternatives=3")
+                           "evolattice.max_alternatives=3")
     run.resources["evolattice.lm"] = ScriptedLM(reply=component_proposer(world, seed))
     best_texts: list[dict[int, str]] = []
     lost = [False]
@@ -182,7 +182,7 @@ def test_claim_the_lattice_finds_the_best_path_overwrite_does_not(tmp_path):
 def test_pruning_keeps_every_best_path_alternative_under_a_tight_cap(tmp_path):
     for seed in range(6):
         run, world = world_run(tmp_path / str(seed), f"evolattice.budget={BUDGET}",
-                               f"evolattice.seed={seed}", "evolattice.max_alternatives=2")
+                               "evolattice.max_alternatives=2")
         run.resources["evolattice.lm"] = ScriptedLM(reply=component_proposer(world, seed))
         best_so_far: list[dict[int, str]] = []
 
