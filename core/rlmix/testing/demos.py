@@ -70,3 +70,76 @@ def demo_reader(seed: int = 0) -> Any:
         return "```\n" + " ".join(words).strip() + "\n```"
 
     return reply
+
+
+# ---------------------------------------------------------------- a world where answers leak
+
+_REFERENCE = re.compile(r"\(Reference: the correct answer is (\w+)\.\)")
+_LITERAL = re.compile(r"(\d+\.\d+)\s*->\s*(\w+)")
+
+
+class LeakModel:
+    """A rollout engine for ``HintEnv`` prompts that also *memorises*: it answers a task right
+    when its topic's hint word is in the harness (``Recall <hint>. ANSWER <topic>``, general
+    competence) or when the harness holds the literal ``<step>.<i> -> <topic>`` for that very
+    task (memorisation: it helps no other task). Shown the ground truth
+    (``(Reference: the correct answer is <topic>.)`` in the prompt) it answers as a competent
+    run would, naming the hint it recalls: the reference trajectory."""
+
+    def __init__(self, env: HintEnv) -> None:
+        self.env = env
+        self.calls = 0
+
+    def answer(self, prompt: Any) -> str:
+        from rlmix.testing.harness import _QUESTION, harness_words
+
+        user = prompt.messages[-1]["content"]
+        found = _QUESTION.match(user)
+        topic = found.group(1)
+        task = re.match(r"^Question ([\d.]+) ", user).group(1)
+        reference = _REFERENCE.search(user)
+        if reference:
+            return f"Recall {self.env.hints[reference.group(1)]}. ANSWER {reference.group(1)}"
+        words = set(harness_words(prompt))
+        literal = dict(_LITERAL.findall(" ".join(m["content"] for m in prompt.messages)))
+        if self.env.hints[topic] in words or literal.get(task) == topic:
+            return f"Recall {self.env.hints[topic]}. ANSWER {topic}"
+        return "no idea"
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> RolloutBatch:
+        texts = [self.answer(p) for p in request.prompts for _ in range(request.n)]
+        prompts = [p for p in request.prompts for _ in range(request.n)]
+        n = len(texts)
+        self.calls += n
+        return RolloutBatch(group=torch.arange(len(request.prompts)).repeat_interleave(request.n),
+                            tokens=torch.zeros(n, 2, dtype=torch.long),
+                            attention_mask=torch.ones(n, 2, dtype=torch.long),
+                            completion_mask=torch.tensor([[0.0, 1.0]] * n),
+                            behavior_logp=torch.zeros(n, 2),
+                            policy_version=torch.zeros(n, dtype=torch.long), texts=texts,
+                            prompts=prompts)
+
+
+def leaky_proposer() -> Any:
+    """A scripted reflection LM for failure patterns: the first time it is asked about a pattern
+    it writes the literal answers of the pattern's tasks into the text (``<task> -> <answer>``,
+    from the ``Task <id> answer <a>`` lines of the prompt); asked again about the same pattern
+    it adds the pattern's signal words (``Signal: ...``) instead. Half its edits leak."""
+    asked: dict[str, int] = {}
+
+    def reply(prompt: str) -> str:
+        found = _FENCE.search(prompt)
+        current = found.group(1) if found else ""
+        signal = re.search(r"Signal: (.*)", prompt)
+        words = signal.group(1).split() if signal else []
+        key = " ".join(words)
+        asked[key] = asked.get(key, 0) + 1
+        if asked[key] == 1:
+            pairs = re.findall(r"Task ([\d.]+) answer (\w+)", prompt)
+            new = current + " " + " ".join(f"{t} -> {a}" for t, a in pairs)
+        else:
+            new = " ".join([*current.split(), *[w for w in words if w not in current.split()]])
+        return "```\n" + new.strip() + "\n```"
+
+    return reply
