@@ -222,3 +222,38 @@ def landscape_plugins(world: Landscape | ComponentWorld) -> dict[str, Any]:
     """``{"landenv": env, "landmodel": model}`` for ``rlmix.testing.make_run``; the metric is
     ``landenv.correct``."""
     return {"landenv": LandscapeEnv(world), "landmodel": LandscapeModel(world)}
+
+
+def path_world() -> ComponentWorld:
+    """Two components ``c1 c2`` starting at ``s``. ``x`` in ``c1`` or ``y`` in ``c2`` each add
+    one family of tasks (0.25 -> 0.5); both together solve everything (1.0); ``z`` anywhere
+    breaks what its component solved (0.25 or less). With ``path_proposer`` the first edit of
+    either line makes the other's fix conflict: only recombining the two lines reaches 1.0."""
+
+    def value(t: tuple[str, ...]) -> float:
+        c1, c2 = t
+        if "z" in t:
+            return 0.0 if t == ("z", "z") else 0.25
+        return {("s", "s"): 0.25, ("x", "s"): 0.5, ("s", "y"): 0.5, ("x", "y"): 1.0}.get(t, 0.0)
+
+    return ComponentWorld(components=("c1", "c2"), options=("s", "x", "y", "z"), value=value)
+
+
+_EDIT = re.compile(r"^Edit: (\w+)$", re.M)
+_COMPONENT = re.compile(r"Component (\w+):\n```\n(.*?)\n```", re.S)
+
+
+def path_proposer() -> Callable[[str], str]:
+    """A scripted reflection LM for ``path_world``: asked (``Edit: <name>``) to change one
+    component, it reads the ``Component <name>:`` blocks and writes that component's fix as
+    the context allows: ``x`` for ``c1`` (``y`` for ``c2``) while the other component is still
+    ``s``, else the conflicting ``z`` (its fix written against the other line's edit)."""
+
+    def reply(prompt: str) -> str:
+        target = _EDIT.search(prompt).group(1)
+        current = {k: v.strip() for k, v in _COMPONENT.findall(prompt)}
+        other = current.get("c2" if target == "c1" else "c1", "s")
+        fix = ("x" if target == "c1" else "y") if other == "s" else "z"
+        return "```\n" + fix + "\n```"
+
+    return reply
