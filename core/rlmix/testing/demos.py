@@ -143,3 +143,46 @@ def leaky_proposer() -> Any:
         return "```\n" + new.strip() + "\n```"
 
     return reply
+
+
+# ---------------------------------------------------------------- a label-free hint world
+
+
+class LabelFreeHintEnv(HintEnv):
+    """A ``HintEnv`` whose scorer refuses to be called: a label-free method must never read a
+    reward. ``accuracy(batch)`` is the test's own check, outside the run."""
+
+    @rlmix.hookimpl
+    def rlmix_score(self, run: Any, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        raise AssertionError("a label-free method read a reward")
+
+    @staticmethod
+    def accuracy(batch: RolloutBatch) -> float:
+        right = [t.endswith(f"ANSWER {p.answer}") for t, p in zip(batch.texts, batch.prompts)]
+        return sum(right) / max(1, len(right))
+
+
+class GuessingHintModel(LeakModel):
+    """A rollout engine for ``HintEnv`` prompts: with the topic's hint in the harness it
+    answers ``ANSWER <topic>`` every time; without it, sampled (temperature > 0), it guesses a
+    topic at random, so its answers disagree with each other; greedy, it answers the first
+    topic. Self-consistency is high exactly where it is right."""
+
+    def __init__(self, env: HintEnv, seed: int = 0) -> None:
+        super().__init__(env)
+        self.rng = random.Random(seed)
+        self.temperature = 0.0
+
+    def answer(self, prompt: Any) -> str:
+        from rlmix.testing.harness import _QUESTION, harness_words
+
+        topic = _QUESTION.match(prompt.messages[-1]["content"]).group(1)
+        if self.env.hints[topic] in set(harness_words(prompt)):
+            return f"ANSWER {topic}"
+        topics = sorted(self.env.hints)
+        return f"ANSWER {self.rng.choice(topics) if self.temperature > 0 else topics[0]}"
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> RolloutBatch:
+        self.temperature = float(request.temperature)
+        return LeakModel.rlmix_generate(self, run, request)
