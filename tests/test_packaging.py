@@ -66,6 +66,43 @@ def test_the_test_pins_reach_every_session_and_ci() -> None:
     assert "constraints.txt" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_pytest_plugin_and_import_rlmix_load_neither_torch_nor_transformers() -> None:
+    """pytest loads ``rlmix.testing`` (entry point pytest11) in every run where rlmix is
+    installed: it must cost nothing until a test uses a fixture or helper."""
+    code = ("import json, sys, rlmix, rlmix.testing, rlmix.plugins\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "rlmix.testing.make_batch, rlmix.Run  # the helpers and types on first use\n"
+            "print(json.dumps([heavy, 'torch' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [[], True]
+
+
+def test_plots_without_matplotlib_end_with_the_pip_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmix import observe
+
+    (tmp_path / observe.METRICS_FILE).write_text('{"step": 1, "reward/mean": 0.5}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert observe.plot(tmp_path) == []
+    assert "matplotlib is not installed; run 'pip install matplotlib'" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
+
+
+def test_tensorboard_without_the_package_is_a_config_error_with_the_pip_command(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlmix import observe
+    from rlmix.errors import ConfigError
+    from rlmix.testing import make_run
+
+    run = make_run(overrides=["log.tensorboard=true"])
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ConfigError, match="run 'pip install tensorboard'"):
+        observe.ObservePlugin().rlmix_configure(run)
+
+
 ONE_PLUGIN_MANIFEST = """\
 model: tiny-random
 plugins: [hf, arith, grpo]
