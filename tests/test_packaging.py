@@ -130,8 +130,8 @@ def test_fresh_venv_installs_one_algorithm_plugin_from_wheels(tmp_path: Path) ->
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONWARNINGS="ignore", PIP_CONSTRAINT=str(ROOT / "constraints.txt"))
     install = subprocess.run(
-        [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--find-links", str(dist),
-         *names], capture_output=True, text=True, env=env, timeout=900)
+        [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-compile", "--find-links",
+         str(dist), *names], capture_output=True, text=True, env=env, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     probe = subprocess.run(
         [str(bin_dir / "python"), "-c",
