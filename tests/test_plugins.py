@@ -237,3 +237,61 @@ def test_cli_stops_on_a_plugin_that_fails_to_import(broken_plugin_path: Path,
     assert "Traceback" not in result.stderr
     assert "plugin 'broken'" in result.stderr
     assert "ImportError: rlmix-broken needs the package frobnicate" in result.stderr
+
+
+FUTURE_MODULE = "rlmix_future_for_tests"
+
+
+@pytest.fixture
+def future_plugin_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder with an installed-looking distribution ``rlmix-future`` (entry point ``future``,
+    family rlmix.algorithms) that declares ``rlmix>=99``, which the installed core is not."""
+    from stevedore import _cache
+
+    monkeypatch.setattr(_cache._c, "_disable_caching", True, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    dist = tmp_path / "rlmix_future-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rlmix-future\nVersion: 0.0.1\n"
+                                   "Requires-Dist: rlmix>=99\n"
+                                   "Requires-Dist: rlmix>=0.1; extra == 'other'\n")
+    (dist / "entry_points.txt").write_text(f"[rlmix.algorithms]\nfuture = {FUTURE_MODULE}\n")
+    (tmp_path / f"{FUTURE_MODULE}.py").write_text("raise AssertionError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_a_plugin_made_for_another_core_is_listed_with_the_reason(
+        future_plugin_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata as md
+    import json
+
+    from rlmix import cli
+
+    info = plugin_loading.installed()["future"]
+    assert f"needs rlmix>=99 but the installed core is rlmix {md.version('rlmix')}" in info.problem
+    assert plugin_loading.installed()["grpo"].problem == ""  # "rlmix>=0.1" is satisfied
+    assert cli.main(["plugins", "--json"]) == 1  # the listing works, and says it failed
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["future"]["description"].startswith("INCOMPATIBLE: needs rlmix>=99")
+    assert rows["future"]["hooks"] == "-"
+    assert rows["grpo"]["hooks"].startswith("advantage")
+    assert FUTURE_MODULE not in sys.modules
+
+
+def test_a_manifest_naming_a_plugin_made_for_another_core_fails_with_the_reason(
+        future_plugin_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmix import cli
+
+    with pytest.raises(PluginError) as err:
+        plugin_loading.load(["hf", "future"])
+    assert ("plugin 'future' (rlmix.algorithms, rlmix-future 0.0.1) needs rlmix>=99"
+            in str(err.value))
+    path = tmp_path / "m.yaml"
+    path.write_text("model: tiny-random\nplugins: [hf, arith, grpo, future]\n")
+    assert cli.main(["run", str(path), f"out={tmp_path / 'out'}"]) == 2
+    stderr = capsys.readouterr().err
+    assert "plugin 'future'" in stderr and "needs rlmix>=99" in stderr
+    assert "Traceback" not in stderr
+    assert FUTURE_MODULE not in sys.modules
+    assert not (tmp_path / "out").exists()

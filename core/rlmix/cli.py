@@ -86,6 +86,12 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     rows = []
     failures = 0
     for info in sorted(found.values(), key=lambda i: (i.family, i.name)):
+        if info.problem:  # not imported: made for another core
+            rows.append((info.family.removeprefix("rlmix."), info.name,
+                         f"{info.distribution} {info.version}", "-",
+                         f"INCOMPATIBLE: {info.problem}"))
+            failures += 1
+            continue
         try:
             obj = md.EntryPoint(name=info.name, value=info.value, group=info.family).load()
             hooks = ", ".join(h.removeprefix("rlmix_") for h in plugins.hooks_of(obj))

@@ -14,10 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlmix.errors import ConfigError
 from rlmix.hookspecs import hookimpl
 from rlmix.types import Run
 
 METRICS_FILE = "metrics.jsonl"
+# the optional extras, as the command that installs them (printed when one is missing)
+PLOTS_PIP = "pip install matplotlib"
+TENSORBOARD_PIP = "pip install tensorboard"
 
 
 def _clean(value: Any) -> Any:
@@ -56,7 +60,12 @@ def plot(run_dir: Path) -> list[Path]:
     rows = read_metrics(run_dir / METRICS_FILE)
     if not rows:
         return []
-    import matplotlib
+    try:  # an extra (rlmix[plots]): a run without it ends with a note, not a crash
+        import matplotlib
+    except ImportError:
+        print(f"rlmix: plots skipped (log.plot): matplotlib is not installed; run "
+              f"'{PLOTS_PIP}' or set log.plot=false", file=sys.stderr, flush=True)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -107,8 +116,9 @@ class ObservePlugin:
         if run.config.log.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise RuntimeError("log.tensorboard needs 'pip install tensorboard'") from exc
+            except ImportError:
+                raise ConfigError(f"log.tensorboard needs the tensorboard package: run "
+                                  f"'{TENSORBOARD_PIP}' or set log.tensorboard=false") from None
             self.tb = SummaryWriter(str(run.out_dir / "tensorboard"))
         if run.config.log.progress and sys.stderr.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn

@@ -32,6 +32,10 @@ class PluginInfo:
     value: str
     distribution: str
     version: str
+    #: why it cannot be used with the installed core ("" when it can): its declared ``rlmix``
+    #: requirement, which pip does not check for a plugin installed with --no-deps or from a
+    #: folder, against the core's version
+    problem: str = ""
 
 
 @dataclass
@@ -47,14 +51,43 @@ class LoadedPlugin:
 def installed() -> dict[str, PluginInfo]:
     """Every installed rlmix plugin by entry-point name (no imports)."""
     found: dict[str, PluginInfo] = {}
+    core_problems: dict[str, str] = {}
     for family in FAMILIES:
         for ep in md.entry_points(group=family):
             dist = getattr(ep, "dist", None)
+            name = dist.metadata["Name"] if dist else "?"
+            if dist is not None and name not in core_problems:
+                core_problems[name] = core_requirement_problem(dist)
             found.setdefault(ep.name, PluginInfo(
-                name=ep.name, family=family, value=ep.value,
-                distribution=dist.metadata["Name"] if dist else "?",
-                version=dist.version if dist else "?"))
+                name=ep.name, family=family, value=ep.value, distribution=name,
+                version=dist.version if dist else "?", problem=core_problems.get(name, "")))
     return found
+
+
+def core_requirement_problem(dist: md.Distribution) -> str:
+    """Why the installed core does not satisfy ``dist``'s declared ``rlmix`` requirement, or
+    "" when it does (or declares none)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        core_version = md.version(CORE)
+    except md.PackageNotFoundError:  # the core run from a source tree: nothing to check against
+        return ""
+    for line in dist.requires or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) != CORE:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # only under an extra, or another platform
+        if not req.specifier.contains(core_version, prereleases=True):
+            return (f"needs {req.name}{req.specifier} but the installed core is rlmix "
+                    f"{core_version}; install a matching core, or a version of "
+                    f"{dist.metadata['Name']} made for rlmix {core_version}")
+    return ""
 
 
 def install_hint(name: str) -> str:
@@ -89,6 +122,12 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
             f"plugins: unknown plugin {', '.join(repr(m) for m in missing)}; installed plugins: "
             f"{choices}." + (f" {guess[0].upper()}{guess[1:]}" if guess else "")
             + f" If it is published, {hints} would bring it.")
+
+    unusable = [n for n in names if n not in extra and known[n].problem]
+    if unusable:  # before importing anything: its import might fail on the same mismatch
+        raise PluginError("; ".join(f"plugin '{n}' ({known[n].family}, {known[n].distribution} "
+                                    f"{known[n].version}) {known[n].problem}"
+                                    for n in unusable))
 
     loaded: dict[str, LoadedPlugin] = {}
     for name in names:
