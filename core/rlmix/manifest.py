@@ -197,7 +197,9 @@ def read(path: str | Path | None, overrides: list[str] | None = None) -> DictCon
         try:
             loaded = OmegaConf.load(p)
         except Exception as exc:  # yaml errors come in several types
-            raise ManifestError(f"{p}: not valid YAML: {exc}") from None
+            text = "; ".join(" ".join(line.split()) for line in str(exc).splitlines()
+                             if line.strip())
+            raise ManifestError(f"{p}: not valid YAML: {text}") from None
         if not isinstance(loaded, DictConfig):
             raise ManifestError(f"{p}: a manifest is a mapping of keys, got a list")
         cfg = loaded
@@ -212,6 +214,19 @@ def read(path: str | Path | None, overrides: list[str] | None = None) -> DictCon
             text = getattr(exc, "msg", None) or str(exc)
             first = " ".join(str(text).split("\n")[0].split())
             key, _, value = item.partition("=")
+            node: Any = cfg
+            parts = key.split(".")
+            for i, part in enumerate(parts[:-1]):
+                node = node.get(part) if isinstance(node, DictConfig) else None
+                if node is not None and not isinstance(node, DictConfig):
+                    where = ".".join(parts[:i + 1])
+                    raise ManifestError(f"manifest error at '{where}': expected a mapping of "
+                                        f"settings, got {_shown(node)} (override {item!r} "
+                                        f"sets a key in it)") from None
+            existing = node.get(parts[-1]) if isinstance(node, DictConfig) else None
+            if isinstance(existing, DictConfig):
+                raise ManifestError(f"manifest error at '{key}': expected a mapping of "
+                                    f"settings, got {value} (override {item!r})") from None
             raise ManifestError(f"override {item!r}: the value {value!r} for '{key}' is not "
                                 f"valid ({first}); a list is written [a,b], a string with "
                                 f"commas or brackets is quoted") from None
@@ -286,8 +301,11 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
         head, sep, rest = text.partition(":")
         names = {f.name for f in dataclasses.fields(cls)}
         path = prefix
+        first = (text.split() or [""])[0].strip(":,")
         if sep and head.strip() in names:
             path, text = f"{prefix}.{head.strip()}" if prefix else head.strip(), rest.strip()
+        elif first in names:  # "eps_high (0.1) must be >= eps_low": names its field first
+            path = f"{prefix}.{first}" if prefix else first
         raise ManifestError(f"manifest error at '{path}' (plugin '{owner}'): {text}") from None
 
 

@@ -105,6 +105,9 @@ def check_score_weights(pm: pluggy.PluginManager, core: CoreConfig) -> None:
             raise ManifestError(f"{where}: {value!r} is not allowed; a weight must be finite")
         plugin = next((s for s in sorted(scorers, key=len, reverse=True)
                        if path.startswith(s + ".")), None)
+        if path in scorers:
+            raise ManifestError(f"{where}: weights are given per term, "
+                                f"score.weights.{path}.<term>: <number>")
         if plugin is None:
             raise ManifestError(f"{where}: '{path.split('.')[0]}' is not a listed plugin that "
                                 f"scores; weights are score.weights.<plugin>.<term> with "
