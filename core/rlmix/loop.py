@@ -91,16 +91,36 @@ def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
     when the manifest changed, unless ``allow_changes``) or ``overwrite`` (its outputs are
     deleted first)."""
     run, _ = prepare(cfg, extra_plugins)
-    lock = runfolder.acquire(run.out_dir)  # released when the run is garbage
+    if overwrite and resume:
+        raise ManifestError("--resume and --overwrite contradict each other; give one")
+    if not runfolder.secondary_rank():  # under torchrun, rank 0 alone manages the folder
+        _claim_folder(run, resume, overwrite, allow_changes)
+    load_policy(run)
+    configure(run)
+    if resume:
+        root = checkpoint.checkpoint_root(run)
+        last = checkpoint.latest(root)
+        if last is None and runfolder.secondary_rank():
+            raise ManifestError(f"--resume: no checkpoint in {root}")
+        if last is None:  # killed before its first checkpoint: start again, nothing kept
+            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, -1)
+        else:
+            checkpoint.restore(run, last)
+            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
+    return run
+
+
+def _claim_folder(run: Run, resume: bool, overwrite: bool, allow_changes: bool) -> None:
+    """Lock the run folder (released when ``run`` is garbage), clean what crashes left, and
+    refuse an old run unless resumed (with an unchanged manifest) or overwritten."""
     import weakref
 
+    lock = runfolder.acquire(run.out_dir)
     weakref.finalize(run, runfolder.release, lock)
     root = checkpoint.checkpoint_root(run)
     for name in checkpoint.clean(root):
         runfolder.log(run.out_dir, f"removed {root / name} (left by an interrupted write)")
     held = runfolder.describe_run(run.out_dir)
-    if overwrite and resume:
-        raise ManifestError("--resume and --overwrite contradict each other; give one")
     if overwrite and held:
         runfolder.remove_outputs(run.out_dir)
     elif resume:
@@ -119,16 +139,6 @@ def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         raise ManifestError(f"run folder {run.out_dir} already holds a run ({held}); add "
                             f"--resume to continue it, --overwrite to replace it, or give "
                             f"another out=")
-    load_policy(run)
-    configure(run)
-    if resume:
-        last = checkpoint.latest(root)
-        if last is None:  # killed before its first checkpoint: start again, nothing kept
-            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, -1)
-        else:
-            checkpoint.restore(run, last)
-            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
-    return run
 
 
 def score(run: Run, batch: RolloutBatch) -> None:

@@ -100,7 +100,7 @@ class TrainConfig:
     weight_decay: float = setting(0.0, ge=0)
     adam_beta1: float = setting(0.9, ge=0, lt=1)
     adam_beta2: float = setting(0.999, ge=0, lt=1)
-    max_grad_norm: float = setting(1.0, ge=0)  # 0 = no clipping
+    max_grad_norm: float = setting(1.0, ge=0)
     warmup_steps: int = setting(0, ge=0)
     epochs: int = setting(1, ge=1)  # passes over each batch
     updates_per_epoch: int = setting(1, ge=1)  # optimizer steps per pass (PPO mini-batches)
@@ -113,10 +113,10 @@ class TrainConfig:
     loss_norm_constant: float = setting(0.0, ge=0)
     seed: int = 0
     # policy versions a sample may lag the trainer; > 0 samples ahead in a background thread
-    max_staleness: int = setting(0, ge=0, why="0 = synchronous sampling")
+    max_staleness: int = setting(0, ge=0, why="0 = synchronous sampling")  # 0 = synchronous
     eval_every: int = setting(10, ge=0)  # 0 = only at start and end
     checkpoint_every: int = setting(10, ge=0)  # 0 = only at the end
-    keep_checkpoints: int = setting(2, ge=0)  # 0 = keep all
+    keep_checkpoints: int = setting(2, ge=0)
     mode: str = "rl"  # rl | harness-only (no weight updates: each step evolves the harness)
     evolve_every: int = setting(1, ge=1)  # call rlmix_evolve every this many steps
 
@@ -126,7 +126,7 @@ class SamplingConfig:
     temperature: float = setting(1.0, gt=0, why="training samples need a temperature > 0; "
                                  "evaluation is greedy on its own")
     top_p: float = setting(1.0, gt=0, le=1)
-    top_k: int = setting(0, ge=0)  # 0 = no top-k
+    top_k: int = setting(0, ge=0)
     max_new_tokens: int = setting(32, ge=1)
 
 

@@ -88,6 +88,15 @@ def release(path: Path) -> None:
             held.handle.close()
 
 
+def secondary_rank() -> bool:
+    """A process of a multi-process launch (torchrun's ``RANK``) other than rank 0: rank 0
+    alone locks, checks and cleans the run folder (the others write apart, e.g. ``ranks/``)."""
+    try:
+        return int(os.environ.get("RANK", "0")) > 0
+    except ValueError:
+        return False
+
+
 def describe_run(out_dir: Path) -> str | None:
     """What run ``out_dir`` holds (``"7 metrics lines, checkpoints up to step 6"``), or None
     when it holds none."""
