@@ -11,6 +11,8 @@ What a plugin may declare (module or class attributes, all optional):
   implement (``ray``: ``{"rlmix_generate": "a rollout engine for its workers, e.g. hf"}``).
 * ``RLMIX_SCORE_TERMS``: the reward terms its ``rlmix_score`` returns, so ``score.weights``
   naming another term fails here (otherwise it fails at the first scored step).
+* ``RLMIX_STANDIN``: ``True`` for a test stand-in registered beside the plugin under test (the
+  conformance kit's fake env): it never counts as a second env.
 
 Every problem is a ``ManifestError`` naming the key path, the value and what is allowed.
 """
@@ -57,7 +59,8 @@ def check_combination(pm: pluggy.PluginManager, names: list[str]) -> None:
     """Two plugins that each bring prompts and score them are two envs: one would own the
     prompts and both would score them, which no manifest means."""
     envs = [n for n in names
-            if _implements(pm, n, "rlmix_prompts") and _implements(pm, n, "rlmix_score")]
+            if _implements(pm, n, "rlmix_prompts") and _implements(pm, n, "rlmix_score")
+            and not getattr(_plugin(pm, n), "RLMIX_STANDIN", False)]
     if len(envs) > 1:
         owner = next((n for n, w in plugin_loading.implementers(pm, "rlmix_prompts")
                       if not w), envs[-1])
