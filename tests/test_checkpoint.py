@@ -23,8 +23,13 @@ from .conftest import EXAMPLE, TINY, cli_env, read_jsonl, rlmix_cmd
 
 
 def build(out: Path, *extra: str) -> Run:
+    """A configured run on ``out`` as a new process would build one, without the run-folder
+    checks of ``build_run`` (these tests build several runs on one folder on purpose)."""
     cfg = manifest.read(EXAMPLE, [*TINY, f"out={out}", "train.lr=0.01", *extra])
-    return loop.build_run(cfg)
+    run, _ = loop.prepare(cfg)
+    loop.load_policy(run)
+    loop.configure(run)
+    return run
 
 
 def perturb(run: Run) -> None:

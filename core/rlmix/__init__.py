@@ -10,7 +10,7 @@ from rlmix.errors import ConfigError, ManifestError, PluginError, RlmixError
 from rlmix.hookspecs import hookimpl, hookspec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rlmix.manifest import check_choices
+    from rlmix.manifest import check_choices, check_ranges, setting
     from rlmix.types import (
         Episode,
         GenerationRequest,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # Imported on first use (PEP 562), not with the package: ``rlmix.types`` imports torch (~3 s),
 # and ``import rlmix`` must stay cheap for what needs no tensor (the pytest plugin
 # ``rlmix.testing`` loaded by every pytest run, ``rlmix plugins``, a manifest check).
-_LAZY = {"check_choices": "rlmix.manifest",
+_LAZY = {**{name: "rlmix.manifest" for name in ("check_choices", "check_ranges", "setting")},
          **{name: "rlmix.types" for name in (
              "Episode", "GenerationRequest", "HarnessUpdate", "LossTerms", "Minibatch",
              "Normalizers", "Prompt", "RolloutBatch", "Run", "StepResult")}}
@@ -52,5 +52,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "Episode", "GenerationRequest", "HarnessUpdate", "LossTerms", "ManifestError",
     "Minibatch", "Normalizers", "PluginError", "Prompt", "RlmixError", "RolloutBatch", "Run",
-    "StepResult", "check_choices", "hookimpl", "hookspec", "__version__",
+    "StepResult", "check_choices", "check_ranges", "hookimpl", "hookspec", "setting",
+    "__version__",
 ]

@@ -2,7 +2,11 @@
 
 A checkpoint is written to a temporary folder beside its final place and renamed into place,
 so a crash (even SIGKILL) mid-write leaves the previous checkpoint intact. ``latest`` is the
-highest-numbered complete ``step-NNNNNN`` folder.
+highest-numbered complete ``step-NNNNNN`` folder. An old checkpoint is deleted by first renaming
+it to a ``.del-`` name (atomic: it is then no longer a checkpoint) and then removing it, so a
+crash mid-delete never leaves a half checkpoint that looks whole; ``clean`` removes what such
+crashes leave (``.tmp-`` and ``.del-`` folders, ``step-`` folders without ``meta.json``) when a
+run starts.
 """
 
 from __future__ import annotations
@@ -76,14 +80,42 @@ def save(run: Run, keep: int = 2) -> Path:
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the ``step-`` names first (one atomic step),
+    then removed; a crash in between leaves a ``.del-`` folder that ``clean`` removes."""
+    trash = Path(tempfile.mkdtemp(prefix=f".del-{folder.name}-", dir=folder.parent))
+    os.replace(folder, trash / folder.name)
+    _fsync_dir(folder.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean(root: Path) -> list[str]:
+    """Remove what interrupted writes and deletes left in ``root``: ``.tmp-*`` and ``.del-*``
+    folders, and ``step-*`` folders without ``meta.json`` (never complete). Returns their
+    names. Called when a run starts, under the run folder's lock."""
+    if not root.exists():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        partial = p.name.startswith((".tmp-", ".del-"))
+        incomplete = p.is_dir() and p.name.startswith(PREFIX) and not (p / "meta.json").exists()
+        if partial or incomplete:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
 
 
 def load_weights(model: Any, folder: Path) -> None:

@@ -10,14 +10,20 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlmix.errors import RlmixError
+from rlmix.errors import RlmixError, one_line
+
+# the run folder of the command being run, once known: where an error's traceback is logged
+_RUN_DIR: list[Path] = []
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from rlmix import loop, manifest
 
     cfg = manifest.read(args.manifest, args.overrides)
-    run = loop.build_run(cfg, resume=args.resume)
+    _RUN_DIR.append(Path(str(cfg.get("out") or "") or Path("runs") / str(cfg.get("name"))))
+    run = loop.build_run(cfg, resume=args.resume, overwrite=args.overwrite,
+                         allow_changes=args.allow_changes)
+    _RUN_DIR.append(run.out_dir)
     print(f"rlmix: run folder {run.out_dir}" + (f" (resumed at step {run.step})"
                                                  if args.resume else ""))
     print("rlmix: hook owners")
@@ -43,7 +49,8 @@ def eval_summary(metrics_file: Path) -> list[str]:
     for key in sorted(k for k in last if k.startswith("eval/")):
         before = first.get(key)
         text = f"{before:.3f}" if isinstance(before, (int, float)) else "-"
-        lines.append(f"  {key}: {text} (step {first['step']}) -> {last[key]:.3f} "
+        after = f"{last[key]:.3f}" if isinstance(last[key], (int, float)) else str(last[key])
+        lines.append(f"  {key}: {text} (step {first['step']}) -> {after} "
                      f"(step {last['step']})")
     return lines
 
@@ -122,6 +129,11 @@ def _check_plugins(found: dict, names: list[str], level: str, as_json: bool) -> 
     table, each failure's message below it; exit 1 on any failure."""
     import difflib
 
+    try:
+        import pytest  # noqa: F401 - the conformance kit is a pytest plugin
+    except ImportError:
+        raise RlmixError("plugins --check runs the conformance kit, which needs pytest: "
+                         "pip install 'rlmix[test]' (or pip install pytest)") from None
     from rlmix.testing import conformance
 
     unknown = [n for n in names if n not in found]
@@ -215,14 +227,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlmix", description="RL post-training from plugins.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print an error's traceback (it is always in the run's rlmix.log)")
+    # -v after the command too; SUPPRESS keeps a -v given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="print an error's traceback")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="train from a manifest")
+    p = sub.add_parser("run", parents=[common], help="train from a manifest")
     p.add_argument("manifest")
     p.add_argument("overrides", nargs="*", help="key=value dotlist overrides")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the outputs of a run already in the run folder first")
+    p.add_argument("--allow-changes", action="store_true",
+                   help="with --resume: continue even though the manifest changed")
     p.set_defaults(func=_cmd_run)
-    p = sub.add_parser("config", help="print the resolved manifest and hook owners; or the "
-                                      "manifest reference (--schema) or hooks reference (--hooks)")
+    p = sub.add_parser("config", parents=[common],
+                       help="print the resolved manifest and hook owners; or the manifest "
+                            "reference (--schema) or hooks reference (--hooks)")
     p.add_argument("manifest", nargs="?")
     p.add_argument("overrides", nargs="*")
     what = p.add_mutually_exclusive_group()
@@ -232,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--hooks", action="store_true",
                       help="print the hooks reference (Markdown) from the hook specifications")
     p.set_defaults(func=_cmd_config)
-    p = sub.add_parser("plugins", help="list installed plugins and their hooks, or check them "
-                                       "with the conformance kit (--check)")
+    p = sub.add_parser("plugins", parents=[common],
+                       help="list installed plugins and their hooks, or check them with the "
+                            "conformance kit (--check)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--check", nargs="*", metavar="NAME", default=None,
                    help="run the conformance kit over these plugins (default: all installed); "
@@ -241,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level", choices=("quick", "full"), default="quick",
                    help="with --check: quick (default) or full")
     p.set_defaults(func=_cmd_plugins)
-    p = sub.add_parser("new-plugin", help="write a new plugin package (pyproject, module, "
-                                          "settings, tests, tox.ini, README)")
+    p = sub.add_parser("new-plugin", parents=[common],
+                       help="write a new plugin package (pyproject, module, settings, tests, "
+                            "tox.ini, README)")
     p.add_argument("name", help="entry-point name (lowercase, digits, underscores)")
     p.add_argument("--family", help="algorithms | rollout | envs | harness | kernels | trainers")
     p.add_argument("--hooks", help="comma-separated hooks (short names: prompts, sample, "
@@ -252,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="where to write the package folder <dir>/<name> "
                                               "(default: the current folder)")
     p.set_defaults(func=_cmd_new_plugin)
-    p = sub.add_parser("eval", help="evaluate the manifest's model, or a checkpoint")
+    p = sub.add_parser("eval", parents=[common],
+                       help="evaluate the manifest's model, or a checkpoint")
     p.add_argument("manifest")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--checkpoint", default=None,
@@ -262,16 +288,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Every failure ends in one ``rlmix: error: ...`` line (exit 2); an exception
+    that escaped a plugin's hook reads ``plugin 'X' failed in rlmix_Y: <exception>``. The
+    traceback goes to the run folder's ``rlmix.log`` (when the folder is known) and, with
+    ``-v``, to the screen."""
+    import traceback
+
+    from rlmix import runfolder
+
     args = build_parser().parse_args(argv)
+    _RUN_DIR.clear()
     try:
         return int(args.func(args) or 0)
-    except RlmixError as exc:
-        print(f"rlmix: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("rlmix: interrupted; the last checkpoint is intact (resume with --resume)",
               file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the one place every error becomes one line
+        # a user's mistake (a bad manifest) needs no traceback; anything else gets one
+        user_error = isinstance(exc, RlmixError) and exc.__cause__ is None
+        folder = _RUN_DIR[-1] if _RUN_DIR and _RUN_DIR[-1].is_dir() else None
+        logged = None if user_error else runfolder.log_exception(folder, exc)
+        if getattr(args, "verbose", False) and not user_error:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        where = "" if user_error else (f" (traceback in {logged})" if logged else
+                                       " (run with -v for the traceback)")
+        print(f"rlmix: error: {one_line(exc)}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

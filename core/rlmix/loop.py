@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlmix import async_sampling, checkpoint, manifest, observe, ops
+from rlmix import async_sampling, checkpoint, manifest, observe, ops, preflight, runfolder
 from rlmix import plugins as plugin_loading
-from rlmix.errors import ManifestError, PluginError
+from rlmix.errors import ManifestError, PluginError, origin
 from rlmix.hookspecs import REQUIRED_HOOKS
 from rlmix.policy import Policy, load_model
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
@@ -30,13 +30,7 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
     """Validate the manifest, load and register its plugins, check hook ownership.
 
     Everything here happens before any model loads, so manifest mistakes fail fast."""
-    core = manifest.validate_core(cfg)
-    if core.train.max_staleness < 0:
-        raise ManifestError("manifest error at 'train.max_staleness': must be >= 0 (0 = "
-                            f"synchronous sampling), got {core.train.max_staleness}")
-    if core.sampling.temperature <= 0:
-        raise ManifestError("manifest error at 'sampling.temperature': training samples need a "
-                            "temperature > 0 (evaluation is greedy on its own)")
+    core = manifest.validate_core(cfg)  # types, choices and declared ranges
     loaded = plugin_loading.load(list(core.plugins), extra_plugins)
     settings = manifest.validate_plugin_blocks(cfg, loaded, set(plugin_loading.installed()))
     resolved = manifest.resolved(cfg, core, settings)
@@ -47,6 +41,7 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         required = {k: v for k, v in REQUIRED_HOOKS.items()
                     if k not in ("rlmix_advantage", "rlmix_clip")}
     plugin_loading.check_required(pm, required)
+    preflight.check(core, pm, settings)  # the plugins as a set, sizes, memory, device
     out_dir = Path(core.out or Path("runs") / core.name)
     run = Run(config=resolved, pm=pm, settings_by_plugin=settings, out_dir=out_dir,
               plugin_names=list(core.plugins), harness=dict(core.harness))
@@ -72,34 +67,78 @@ def load_policy(run: Run) -> None:
 
 
 def configure(run: Run) -> None:
+    """Each plugin's ``rlmix_configure``, in call order. A failure becomes one error naming
+    the plugin and hook it escaped (the innermost, when one plugin's configure calls another
+    plugin's hook), a ``ManifestError`` when it was one (a plugin's ConfigError)."""
     for impl in reversed(run.pm.hook.rlmix_configure.get_hookimpls()):
         try:
             impl.function(run=run)
-        except (ManifestError, PluginError) as exc:
-            if f"'{impl.plugin_name}'" in str(exc):
-                raise
-            # a plugin's own ConfigError: say whose it is, as for any other failure
-            kind = ManifestError if isinstance(exc, ManifestError) else PluginError
-            raise kind(f"plugin '{impl.plugin_name}' failed to configure: {exc}") from exc
         except Exception as exc:
-            raise PluginError(f"plugin '{impl.plugin_name}' failed to configure: "
-                              f"{type(exc).__name__}: {exc}") from exc
+            plugin, hook = origin(exc) or (impl.plugin_name, "rlmix_configure")
+            detail = str(exc) if isinstance(exc, (ManifestError, PluginError)) \
+                else f"{type(exc).__name__}: {exc}"
+            kind = ManifestError if isinstance(exc, ManifestError) else PluginError
+            raise kind(f"plugin '{plugin}' failed in {hook}: {detail}") from exc
 
 
 def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
-              resume: bool = False) -> Run:
-    """A ready ``Run``: validated, plugins registered, model loaded, plugins configured, and
-    (with ``resume``) restored from the last checkpoint."""
+              resume: bool = False, overwrite: bool = False,
+              allow_changes: bool = False) -> Run:
+    """A ready ``Run``: validated, plugins registered, the run folder locked and checked,
+    model loaded, plugins configured, and (with ``resume``) restored from the last checkpoint.
+
+    A folder that already holds a run is refused unless ``resume`` (continue it: refused too
+    when the manifest changed, unless ``allow_changes``) or ``overwrite`` (its outputs are
+    deleted first)."""
     run, _ = prepare(cfg, extra_plugins)
+    if overwrite and resume:
+        raise ManifestError("--resume and --overwrite contradict each other; give one")
+    if not runfolder.secondary_rank():  # under torchrun, rank 0 alone manages the folder
+        _claim_folder(run, resume, overwrite, allow_changes)
     load_policy(run)
     configure(run)
     if resume:
-        last = checkpoint.latest(checkpoint.checkpoint_root(run))
-        if last is None:
-            raise ManifestError(f"--resume: no checkpoint in {checkpoint.checkpoint_root(run)}")
-        checkpoint.restore(run, last)
-        observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
+        root = checkpoint.checkpoint_root(run)
+        last = checkpoint.latest(root)
+        if last is None and runfolder.secondary_rank():
+            raise ManifestError(f"--resume: no checkpoint in {root}")
+        if last is None:  # killed before its first checkpoint: start again, nothing kept
+            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, -1)
+        else:
+            checkpoint.restore(run, last)
+            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
     return run
+
+
+def _claim_folder(run: Run, resume: bool, overwrite: bool, allow_changes: bool) -> None:
+    """Lock the run folder (released when ``run`` is garbage), clean what crashes left, and
+    refuse an old run unless resumed (with an unchanged manifest) or overwritten."""
+    import weakref
+
+    lock = runfolder.acquire(run.out_dir)
+    weakref.finalize(run, runfolder.release, lock)
+    root = checkpoint.checkpoint_root(run)
+    for name in checkpoint.clean(root):
+        runfolder.log(run.out_dir, f"removed {root / name} (left by an interrupted write)")
+    held = runfolder.describe_run(run.out_dir)
+    if overwrite and held:
+        runfolder.remove_outputs(run.out_dir)
+    elif resume:
+        if held is None:
+            raise ManifestError(f"--resume: {run.out_dir} holds no run to resume (no "
+                                f"checkpoint, no metrics); run without --resume")
+        changes = runfolder.manifest_changes(run.out_dir / runfolder.MANIFEST_FILE, run.config)
+        if changes and not allow_changes:
+            raise ManifestError("--resume: the manifest differs from the one this run was "
+                                "started with (add --allow-changes to resume anyway, or "
+                                "give another out=):\n" + "\n".join(changes))
+        if changes:
+            runfolder.log(run.out_dir, "resumed with a changed manifest (--allow-changes):\n"
+                          + "\n".join(changes))
+    elif held:
+        raise ManifestError(f"run folder {run.out_dir} already holds a run ({held}); add "
+                            f"--resume to continue it, --overwrite to replace it, or give "
+                            f"another out=")
 
 
 def score(run: Run, batch: RolloutBatch) -> None:
@@ -123,13 +162,47 @@ def score(run: Run, batch: RolloutBatch) -> None:
                 raise RuntimeError(f"plugin '{impl.plugin_name}' returned reward term '{term}' "
                                    f"with {value.shape[0]} values for {n} samples")
             terms[name] = value
-            total = total + float(weights.get(name, 1.0)) * value
-    unknown = set(weights) - set(terms)
-    if unknown and run.step == 0:
-        print(f"rlmix: warning: score.weights names terms no plugin returned: "
-              f"{', '.join(sorted(unknown))}")
+            weight = float(weights.get(name, 1.0))
+            if weight != 0:  # a weight of 0 turns a term off, NaN or not (0 x NaN is NaN)
+                total = total + weight * value
+    _check_weighted_terms(run, weights, terms)
     batch.reward_terms = terms
     batch.rewards = total
+
+
+def _check_weighted_terms(run: Run, weights: dict[str, float],
+                          terms: dict[str, torch.Tensor]) -> None:
+    """``score.weights`` naming a term its plugin did not return is a manifest error (found at
+    the first scored batch; plugins declaring ``RLMIX_SCORE_TERMS`` fail before the model
+    loads). A plugin that returned nothing for this batch is not judged."""
+    if run.state.get("rlmix.score", {}).get("weights_checked"):
+        return
+    returned = {name.rsplit(".", 1)[0] for name in terms}
+    for name in sorted(set(weights) - set(terms)):
+        plugin = name.rsplit(".", 1)[0]
+        if plugin in returned:
+            theirs = sorted(t.rsplit(".", 1)[1] for t in terms if t.startswith(plugin + "."))
+            raise ManifestError(f"manifest error at 'score.weights.{name}': plugin '{plugin}' "
+                                f"returned no term '{name.rsplit('.', 1)[1]}'; its terms: "
+                                f"{', '.join(theirs)}")
+    if terms:
+        run.state.setdefault("rlmix.score", {})["weights_checked"] = True
+
+
+def nonfinite_terms(batch: RolloutBatch, weights: dict[str, float]) -> dict[str, int]:
+    """``{plugin.term: count}`` of non-finite reward values in the terms that count (weight
+    not 0)."""
+    bad = {}
+    for name, value in batch.reward_terms.items():
+        count = int((~torch.isfinite(value)).sum())
+        if count and float(weights.get(name, 1.0)) != 0:
+            bad[name] = count
+    return bad
+
+
+def _finite_mean(value: torch.Tensor) -> float:
+    ok = torch.isfinite(value)
+    return float(value[ok].mean()) if bool(ok.any()) else float("nan")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -190,16 +263,24 @@ def train_step(run: Run) -> dict[str, Any]:
     t_sample = time.perf_counter()
     staleness = async_sampling.staleness_metrics(run.policy_version, batch)
     score(run, batch)
+    # a non-finite reward (NaN, inf) skips the step: no advantage, update or evolution (one
+    # bad value would poison the group statistics and the loss); the step still counts, so a
+    # scorer that keeps failing cannot stall the run, and the metrics line says what happened
+    bad = nonfinite_terms(batch, _flatten(OmegaConf.to_container(run.config.score.weights)
+                                          or {}))
+    if bad:
+        _skip_nonfinite(run, bad, len(batch))
     # harness-only: no advantage, no log-prob forward, no backward; the step only evolves
     harness_only = str(run.config.train.mode) == "harness-only"
-    advantages = (torch.zeros(len(batch)) if harness_only
+    no_update = harness_only or bool(bad)
+    advantages = (torch.zeros(len(batch)) if no_update
                   else hook.rlmix_advantage(run=run, batch=batch))
     if advantages is None:
         raise RuntimeError("no plugin returned advantages from rlmix_advantage")
     batch.advantages = advantages
     run.policy.model.train()
     losses, update_stats, loss_metrics = [], {}, {}
-    for mb in ([] if harness_only else run.minibatches(batch)):
+    for mb in ([] if no_update else run.minibatches(batch)):
         logp, entropy = run.policy.logprobs(run, mb.batch)
         terms = hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
         if terms is None:
@@ -214,7 +295,7 @@ def train_step(run: Run) -> dict[str, Any]:
         for k, v in terms.metrics.items():
             loss_metrics.setdefault(k, []).append(float(v))
     t_train = time.perf_counter()
-    evolve_now = (run.step + 1) % max(1, int(run.config.train.evolve_every)) == 0
+    evolve_now = (run.step + 1) % max(1, int(run.config.train.evolve_every)) == 0 and not bad
     # the async worker renders prompts from run.harness: it waits while harnesses evolve
     sampler = run.async_sampler
     with sampler.paused() if (evolve_now and sampler is not None) else contextlib.nullcontext():
@@ -225,9 +306,11 @@ def train_step(run: Run) -> dict[str, Any]:
     comp = batch.completion_mask
     metrics: dict[str, Any] = {
         "step": run.step,
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
-        **{f"reward/{k}": float(v.mean()) for k, v in batch.reward_terms.items()},
+        "reward/mean": _finite_mean(batch.rewards),
+        "reward/std": float(batch.rewards.std()) if len(batch) > 1 and not bad else 0.0,
+        **{f"reward/{k}": _finite_mean(v) for k, v in batch.reward_terms.items()},
+        **({"reward/nonfinite": float(sum(bad.values())), "update/skipped": 1.0} if bad
+           else {}),
         "loss": sum(losses),
         "policy_version": run.policy_version,
         "harness_version": run.harness_version,
@@ -242,6 +325,20 @@ def train_step(run: Run) -> dict[str, Any]:
     }
     metrics["time/step_s"] = time.perf_counter() - t0
     return metrics
+
+
+def _skip_nonfinite(run: Run, bad: dict[str, int], n: int) -> None:
+    state = run.state.setdefault("rlmix.score", {})
+    state["nonfinite_steps"] = state.get("nonfinite_steps", 0) + 1
+    named = "; ".join(f"plugin '{name.rsplit('.', 1)[0]}' term '{name.rsplit('.', 1)[1]}': "
+                      f"{count} of {n}" for name, count in bad.items())
+    text = (f"rlmix: warning: step {run.step + 1}: non-finite rewards ({named}); step skipped "
+            f"(no advantage, update or evolution; {state['nonfinite_steps']} skipped so far). "
+            f"A weight of 0 in score.weights turns a term off")
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+    runfolder.log(run.out_dir, text)
 
 
 def _observer(run: Run) -> observe.ObservePlugin:
@@ -270,9 +367,24 @@ def _checkpoint_pause(run: Run) -> Any:
 def train(run: Run) -> dict[str, Any]:
     """Run ``train.steps`` steps (from ``run.step``), evaluating at the start, every
     ``train.eval_every`` steps and at the end. Returns the last step's metrics."""
-    run.out_dir.mkdir(parents=True, exist_ok=True)
-    (run.out_dir / "manifest.yaml").write_text(OmegaConf.to_yaml(run.config))
-    log_owner_table(run)
+    lock = runfolder.acquire(run.out_dir)  # re-entrant: build_run may hold it already
+    try:
+        checkpoint.clean(checkpoint.checkpoint_root(run))
+        _write_manifest(run)
+        log_owner_table(run)
+        return _train(run)
+    finally:
+        runfolder.release(lock)
+
+
+def _write_manifest(run: Run) -> None:
+    path = run.out_dir / runfolder.MANIFEST_FILE
+    tmp = path.with_suffix(".yaml.tmp")  # whole or not at all: a resume compares with it
+    tmp.write_text(OmegaConf.to_yaml(run.config))
+    tmp.replace(path)
+
+
+def _train(run: Run) -> dict[str, Any]:
     steps = int(run.config.train.steps)
     eval_every = int(run.config.train.eval_every)
     last: dict[str, Any] = {}

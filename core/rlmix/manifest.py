@@ -20,48 +20,121 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rlmix.errors import ManifestError
 
+RANGE = "rlmix_range"  # dataclass field metadata key of a declared range
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a numeric setting; ``why`` is added to the message when given."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    why: str = ""
+
+    def allowed(self) -> str:
+        parts = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le),
+                                              ("<", self.lt)) if b is not None]
+        return "must be " + " and ".join(parts)
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is out of range (None when it is in range, or not a number)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        bad = ((self.ge is not None and not value >= self.ge)
+               or (self.gt is not None and not value > self.gt)
+               or (self.le is not None and not value <= self.le)
+               or (self.lt is not None and not value < self.lt)
+               or value != value)  # NaN
+        if not bad:
+            return None
+        return f"{value!r} is not allowed; {self.allowed()}" + (f" ({self.why})" if self.why
+                                                                  else "")
+
+
+def setting(default: Any, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, why: str = "") -> Any:
+    """A ``Settings`` (or core) field with a declared range, checked when the manifest is
+    validated, before any model loads: ``eps_low: float = rlmix.setting(0.2, ge=0, lt=1)``.
+    A value out of range is reported as ``manifest error at '<plugin>.eps_low' (plugin
+    '<plugin>'): 1.5 is not allowed; must be >= 0 and < 1``."""
+    return field(default=default, metadata={RANGE: Range(ge, gt, le, lt, why)})
+
+
+def check_ranges(settings: Any) -> None:
+    """Raise ``ValueError("<field>: ...")`` for the first field of a dataclass instance out of
+    its declared range (for code that builds a ``Settings`` itself; the manifest checks the
+    ranges on its own)."""
+    for f in dataclasses.fields(settings):
+        bounds = f.metadata.get(RANGE)
+        problem = bounds.problem(getattr(settings, f.name)) if bounds else None
+        if problem:
+            raise ValueError(f"{f.name}: {problem}")
+
+
+def _range_problem(cls: type, node: Any, prefix: str) -> tuple[str, str] | None:
+    """(key path, problem) of the first value of ``node`` (a merged config of ``cls``) out of
+    its declared range, nested dataclasses included."""
+    hints = _field_types(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        value = node.get(f.name) if isinstance(node, DictConfig) else None
+        if dataclasses.is_dataclass(hints.get(f.name)) and isinstance(value, DictConfig):
+            found = _range_problem(hints[f.name], value, path)
+            if found:
+                return found
+        bounds = f.metadata.get(RANGE)
+        problem = bounds.problem(value) if bounds is not None else None
+        if problem:
+            return path, problem
+    return None
+
 
 @dataclass
 class TrainConfig:
-    steps: int = 30
-    prompts_per_step: int = 2
-    group_size: int = 8
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    epochs: int = 1  # passes over each batch
-    updates_per_epoch: int = 1  # optimizer steps per pass (PPO mini-batches)
-    grad_accum: int = 1  # forward/backward chunks accumulated into each optimizer step
+    steps: int = setting(30, ge=0)
+    prompts_per_step: int = setting(2, ge=1)
+    group_size: int = setting(8, ge=1)
+    lr: float = setting(1e-5, ge=0)
+    weight_decay: float = setting(0.0, ge=0)
+    adam_beta1: float = setting(0.9, ge=0, lt=1)
+    adam_beta2: float = setting(0.999, ge=0, lt=1)
+    max_grad_norm: float = setting(1.0, ge=0)
+    warmup_steps: int = setting(0, ge=0)
+    epochs: int = setting(1, ge=1)  # passes over each batch
+    updates_per_epoch: int = setting(1, ge=1)  # optimizer steps per pass (PPO mini-batches)
+    # forward/backward chunks accumulated into each optimizer step
+    grad_accum: int = setting(1, ge=1)
     # step each parameter inside the backward and free its gradient (needs max_grad_norm 0)
     optimizer_in_backward: bool = False
     shuffle: bool = True
-    loss_norm_constant: float = 0.0  # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
+    # seq-mean-token-sum-norm divisor; 0 = max_new_tokens
+    loss_norm_constant: float = setting(0.0, ge=0)
     seed: int = 0
     # policy versions a sample may lag the trainer; > 0 samples ahead in a background thread
-    max_staleness: int = 0  # 0 = synchronous
-    eval_every: int = 10  # 0 = only at start and end
-    checkpoint_every: int = 10  # 0 = only at the end
-    keep_checkpoints: int = 2
+    max_staleness: int = setting(0, ge=0, why="0 = synchronous sampling")  # 0 = synchronous
+    eval_every: int = setting(10, ge=0)  # 0 = only at start and end
+    checkpoint_every: int = setting(10, ge=0)  # 0 = only at the end
+    keep_checkpoints: int = setting(2, ge=0)
     mode: str = "rl"  # rl | harness-only (no weight updates: each step evolves the harness)
-    evolve_every: int = 1  # call rlmix_evolve every this many steps
+    evolve_every: int = setting(1, ge=1)  # call rlmix_evolve every this many steps
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 32
+    temperature: float = setting(1.0, gt=0, why="training samples need a temperature > 0; "
+                                 "evaluation is greedy on its own")
+    top_p: float = setting(1.0, gt=0, le=1)
+    top_k: int = setting(0, ge=0)
+    max_new_tokens: int = setting(32, ge=1)
 
 
 @dataclass
 class PolicyConfig:
     dtype: str = "float32"  # weights: float32 | bfloat16
     autocast: str = "none"  # compute: none | bfloat16 (mixed precision, weights stay in dtype)
-    threads: int = 0  # torch threads; 0 = torch's default
+    threads: int = setting(0, ge=0)  # torch threads; 0 = torch's default
     device: str = "auto"  # auto | cpu | cuda
     gradient_checkpointing: bool = False
     share_prefix: bool = True  # run each group's prompt once in the training forward
@@ -124,7 +197,9 @@ def read(path: str | Path | None, overrides: list[str] | None = None) -> DictCon
         try:
             loaded = OmegaConf.load(p)
         except Exception as exc:  # yaml errors come in several types
-            raise ManifestError(f"{p}: not valid YAML: {exc}") from None
+            text = "; ".join(" ".join(line.split()) for line in str(exc).splitlines()
+                             if line.strip())
+            raise ManifestError(f"{p}: not valid YAML: {text}") from None
         if not isinstance(loaded, DictConfig):
             raise ManifestError(f"{p}: a manifest is a mapping of keys, got a list")
         cfg = loaded
@@ -132,10 +207,29 @@ def read(path: str | Path | None, overrides: list[str] | None = None) -> DictCon
     bad = [o for o in overrides or [] if "=" not in o]
     if bad:
         raise ManifestError(f"override {bad[0]!r} is not key=value")
-    try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
-    except OmegaConfBaseException as exc:
-        raise ManifestError(f"overrides: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+    for item in overrides or []:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except Exception as exc:  # noqa: BLE001 - OmegaConf's and YAML's errors
+            text = getattr(exc, "msg", None) or str(exc)
+            first = " ".join(str(text).split("\n")[0].split())
+            key, _, value = item.partition("=")
+            node: Any = cfg
+            parts = key.split(".")
+            for i, part in enumerate(parts[:-1]):
+                node = node.get(part) if isinstance(node, DictConfig) else None
+                if node is not None and not isinstance(node, DictConfig):
+                    where = ".".join(parts[:i + 1])
+                    raise ManifestError(f"manifest error at '{where}': expected a mapping of "
+                                        f"settings, got {_shown(node)} (override {item!r} "
+                                        f"sets a key in it)") from None
+            existing = node.get(parts[-1]) if isinstance(node, DictConfig) else None
+            if isinstance(existing, DictConfig):
+                raise ManifestError(f"manifest error at '{key}': expected a mapping of "
+                                    f"settings, got {value} (override {item!r})") from None
+            raise ManifestError(f"override {item!r}: the value {value!r} for '{key}' is not "
+                                f"valid ({first}); a list is written [a,b], a string with "
+                                f"commas or brackets is quoted") from None
     if "name" not in cfg:
         cfg.name = name
     return cfg  # type: ignore[return-value]
@@ -154,7 +248,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _structured_error(exc: OmegaConfBaseException, prefix: str, cls: type,
                       owner: str) -> ManifestError:
-    key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or ""
+    key = str(getattr(exc, "full_key", None) or getattr(exc, "key", None) or "")
     path = f"{prefix}.{key}" if prefix and key else (prefix or str(key))
     who = f" (plugin '{owner}')" if owner else ""
     if isinstance(exc, ConfigKeyError):
@@ -185,11 +279,19 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
     schema = OmegaConf.structured(cls)
     if block is None:
         block = {}
+    who = f" (plugin '{owner}')" if owner else ""
     if not isinstance(block, (dict, DictConfig)):
-        raise ManifestError(f"manifest error at '{prefix}' (plugin '{owner}'): expected a "
-                            f"mapping of settings, got {block!r}")
+        raise ManifestError(f"manifest error at '{prefix}'{who}: expected a mapping of "
+                            f"settings, got {_shown(block)}")
+    _check_mappings(cls, block, prefix, who)
     try:
         merged = OmegaConf.merge(schema, block)
+    except OmegaConfBaseException as exc:
+        raise _structured_error(exc, prefix, cls, owner) from None
+    found = _range_problem(cls, merged, prefix)
+    if found:
+        raise ManifestError(f"manifest error at '{found[0]}'{who}: {found[1]}")
+    try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _structured_error(exc, prefix, cls, owner) from None
@@ -199,9 +301,44 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
         head, sep, rest = text.partition(":")
         names = {f.name for f in dataclasses.fields(cls)}
         path = prefix
+        first = (text.split() or [""])[0].strip(":,")
         if sep and head.strip() in names:
             path, text = f"{prefix}.{head.strip()}" if prefix else head.strip(), rest.strip()
+        elif first in names:  # "eps_high (0.1) must be >= eps_low": names its field first
+            path = f"{prefix}.{first}" if prefix else first
         raise ManifestError(f"manifest error at '{path}' (plugin '{owner}'): {text}") from None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_mappings(cls: type, block: Any, prefix: str, who: str) -> None:
+    """A nested section (``train``, ``sampling``, a dict-typed field) given as a scalar or a
+    list is named here; OmegaConf's own error for it carries no key."""
+    hints = _field_types(cls)
+    for name, hint in hints.items():
+        if name not in block:
+            continue
+        value = block[name]
+        path = f"{prefix}.{name}" if prefix else name
+        mapping = dataclasses.is_dataclass(hint) or typing.get_origin(hint) is dict
+        if mapping and value is not None and not isinstance(value, (dict, DictConfig)):
+            keys = (", ".join(f.name for f in dataclasses.fields(hint))
+                    if dataclasses.is_dataclass(hint) else "")
+            raise ManifestError(f"manifest error at '{path}'{who}: expected a mapping"
+                                + (f" of settings ({keys})" if keys else "")
+                                + f", got {_shown(value)}")
+        if dataclasses.is_dataclass(hint) and isinstance(value, (dict, DictConfig)):
+            _check_mappings(hint, value, path, who)
+        if typing.get_origin(hint) is list and value is not None \
+                and not isinstance(value, (list, ListConfig)):
+            raise ManifestError(f"manifest error at '{path}'{who}: expected a list, got "
+                                f"{_shown(value)}" + ("; write plugins: [hf, arith, grpo]"
+                                                      if path == "plugins" else ""))
 
 
 def validate_core(cfg: DictConfig) -> CoreConfig:
@@ -213,9 +350,22 @@ def validate_core(cfg: DictConfig) -> CoreConfig:
         if value not in choices:
             raise ManifestError(f"manifest error at '{path}': {value!r} is not allowed; "
                                 f"choose one of {', '.join(choices)}")
-    if core.train.evolve_every < 1:
-        raise ManifestError("manifest error at 'train.evolve_every': must be >= 1, got "
-                            f"{core.train.evolve_every}")
+    train = core.train
+    if train.optimizer_in_backward and train.max_grad_norm > 0:
+        raise ManifestError(f"manifest error at 'train.optimizer_in_backward': true needs "
+                            f"train.max_grad_norm: 0 (it is {train.max_grad_norm}); each "
+                            f"parameter is stepped before the global gradient norm is known")
+    if train.optimizer_in_backward and train.grad_accum > 1:
+        raise ManifestError(f"manifest error at 'train.optimizer_in_backward': true needs "
+                            f"train.grad_accum: 1 (it is {train.grad_accum}); gradients are "
+                            f"freed in the backward, so they cannot be accumulated")
+    for key, value in core.harness.items():
+        if not isinstance(value, str):
+            raise ManifestError(f"manifest error at 'harness.{key}': a harness component is "
+                                f"a text, got {_shown(value)}")
+    if core.out and Path(core.out).exists() and not Path(core.out).is_dir():
+        raise ManifestError(f"manifest error at 'out': {core.out!r} is a file; the run folder "
+                            f"must be a folder (or not exist yet)")
     if not core.plugins:
         raise ManifestError("manifest error at 'plugins': no plugins listed; a training run "
                             "needs at least a rollout engine, an env and an algorithm, for "
@@ -254,8 +404,10 @@ def validate_plugin_blocks(cfg: DictConfig, plugins: list[Any],
                             else "; this plugin takes no settings")
                     raise ManifestError(f"manifest error at '{path}.{key}'{who}: unknown key"
                                         + hint)
-        elif node is not None and plugin is None:
-            raise ManifestError(f"manifest error at '{path}': expected a mapping of settings")
+        elif node is not None:
+            who = f" (plugin '{plugin.name}')" if plugin else ""
+            raise ManifestError(f"manifest error at '{path}'{who}: expected a mapping of "
+                                f"settings, got {_shown(node)}")
         if plugin is not None and plugin.settings_cls is not None:
             block = {k: node[k] for k in own_fields if isinstance(node, DictConfig) and k in node}
             settings[plugin.name] = validate_block(plugin.settings_cls, block, path, plugin.name)

@@ -32,6 +32,13 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _shown(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec`` when it is a number, else as it is ("nan")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return str(value)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -148,13 +155,17 @@ class ObservePlugin:
 
     def show(self, run: Run, row: dict[str, Any]) -> None:
         parts = []
-        if "reward/mean" in row:
-            parts.append(f"reward {row['reward/mean']:.3f}")
+        # values are as written: a non-finite float is the string "nan"/"inf" by now (_clean)
+        reward = row.get("reward/mean")
+        if reward is not None:
+            parts.append(f"reward {_shown(reward, '.3f')}")
         for k, v in self.last_eval.items():
             if isinstance(v, (int, float)):
                 parts.append(f"{k} {v:.3f}")
+        if "update/skipped" in row and row["update/skipped"]:
+            parts.append("update skipped")
         if "time/step_s" in row:
-            parts.append(f"{row['time/step_s']:.1f}s/step")
+            parts.append(f"{_shown(row['time/step_s'], '.1f')}s/step")
         text = "  ".join(parts)
         if self.progress is not None:
             self.progress.update(self.task, completed=row.get("step", run.step), description=text)

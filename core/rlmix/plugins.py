@@ -7,6 +7,7 @@ registered with pluggy in that order after the core's own default plugins (``try
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata as md
 import inspect
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 import pluggy
 
 from rlmix import hookspecs
-from rlmix.errors import ManifestError, PluginError
+from rlmix.errors import ManifestError, PluginError, mark_origin
 
 FAMILIES = ("rlmix.algorithms", "rlmix.rollout", "rlmix.envs", "rlmix.harness",
             "rlmix.kernels", "rlmix.trainers")
@@ -173,13 +174,17 @@ def register(pm: pluggy.PluginManager, plugins: list[LoadedPlugin]) -> None:
     """Register the core defaults (trylast), then the manifest's plugins in its order."""
     from rlmix import checkpoint, defaults, observe
 
-    # registration order matters: pluggy calls the last registered first, so the logger writes
-    # a step's metrics before the checkpointer saves it (a resume then never lacks a line)
+    # registration order matters: pluggy puts each new ``trylast`` implementation at the far
+    # end of the call order, so among these three the first registered is called first. The
+    # logger is registered before the checkpointer: it writes (and fsyncs) a step's metrics
+    # line before the checkpointer makes that step's checkpoint visible, so a resume from any
+    # checkpoint finds its line (tested in tests/test_crash_windows.py)
     for name, obj in (("rlmix.defaults", defaults),
-                      ("rlmix.checkpoint", checkpoint.CheckpointPlugin()),
-                      ("rlmix.observe", observe.ObservePlugin())):
+                      ("rlmix.observe", observe.ObservePlugin()),
+                      ("rlmix.checkpoint", checkpoint.CheckpointPlugin())):
         if pm.get_plugin(name) is None:
             pm.register(obj, name=name)
+            attribute_errors(pm, name)
     for plugin in plugins:
         obj = plugin.obj
         if inspect.isclass(obj):
@@ -188,6 +193,42 @@ def register(pm: pluggy.PluginManager, plugins: list[LoadedPlugin]) -> None:
             pm.register(obj, name=plugin.name)
         except (ValueError, pluggy.PluginValidationError) as exc:
             raise PluginError(f"plugin '{plugin.name}' could not be registered: {exc}") from exc
+        attribute_errors(pm, plugin.name)
+
+
+def attribute_errors(pm: pluggy.PluginManager, name: str) -> None:
+    """Wrap each hook implementation of plugin ``name`` so that an exception escaping it is
+    marked with the plugin and the hook (``rlmix.errors.mark_origin``); the CLI then reports
+    ``plugin 'X' failed in rlmix_Y: ...``. The exception itself passes through unchanged."""
+    plugin = pm.get_plugin(name)
+    for caller in pm.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and not getattr(impl.function, "_rlmix_marks", False):
+                impl.function = _marking(impl.function, name, caller.name,  # type: ignore[misc]
+                                         bool(impl.wrapper or impl.hookwrapper))
+
+
+def _marking(function: Any, plugin: str, hook: str, generator: bool) -> Any:
+    if generator:  # a wrapper: errors of its own code before or after its yield
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return (yield from function(*args, **kwargs))
+            except Exception as exc:
+                mark_origin(exc, plugin, hook)
+                raise
+        marked = wrapper
+    else:
+        @functools.wraps(function)
+        def plain(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except Exception as exc:
+                mark_origin(exc, plugin, hook)
+                raise
+        marked = plain
+    marked._rlmix_marks = True  # type: ignore[attr-defined]
+    return marked
 
 
 def implementers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, bool]]:

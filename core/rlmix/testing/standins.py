@@ -35,6 +35,9 @@ class FakeEnv:
     """Prompts "Spell the word W" (answer: the word's length); reward term ``even``: the fraction
     of even token ids in a completion (varied within a group, deterministic, 0 when empty)."""
 
+    # registered beside an env under test on purpose: not a second env (rlmix.preflight)
+    RLMIX_STANDIN = True
+
     @hookimpl
     def rlmix_prompts(self, run: Run, step: int) -> list[Prompt]:
         rng = random.Random(f"{ENV}-{int(run.config.train.seed)}-{step}")

@@ -18,18 +18,16 @@ old_logprobs = ops.old_logprobs  # grpo's rule, shared in rlmix.ops
 
 @dataclass
 class Settings:
-    eps_low: float = 1.0  # weight clipped below at 1 - eps_low; >= 1 means no lower bound
-    eps_high: float = 4.0  # weight clipped above at 1 + eps_high (TRL's epsilon_high = 1 + this)
+    # weight clipped below at 1 - eps_low; >= 1 means no lower bound
+    eps_low: float = rlmix.setting(1.0, ge=0)
+    # weight clipped above at 1 + eps_high (TRL's epsilon_high = 1 + this)
+    eps_high: float = rlmix.setting(4.0, ge=0)
     loss_mode: str = "token-mean"
     old_logp: str = "auto"  # what the ratio divides by: auto | behavior | detached
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
-        if self.eps_low < 0:
-            raise ValueError(f"eps_low must be >= 0 (1 or more: no lower bound), got "
-                             f"{self.eps_low}")
-        if self.eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        rlmix.check_ranges(self)
 
 
 def is_weight(logp: torch.Tensor, old_logp: torch.Tensor, eps_low: float, eps_high: float

@@ -21,15 +21,14 @@ old_logprobs = ops.old_logprobs  # grpo's rule, shared in rlmix.ops
 
 @dataclass
 class Settings:
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    eps_low: float = rlmix.setting(0.2, ge=0, lt=1)  # ratio clipped below at 1 - eps_low
     eps_high: float = 0.28  # ratio clipped above at 1 + eps_high (>= eps_low)
     loss_mode: str = "seq-mean-token-mean"  # dapo.token_loss switches it to token-mean
     old_logp: str = "auto"  # what the ratio divides by: auto | behavior | detached
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        rlmix.check_ranges(self)
         if self.eps_high < self.eps_low:
             raise ValueError(f"eps_high ({self.eps_high}) must be >= eps_low ({self.eps_low}): "
                              f"clip-higher raises the upper bound")

@@ -22,18 +22,18 @@ old_logprobs = ops.old_logprobs
 
 @dataclass
 class Settings:
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high
+    eps_low: float = rlmix.setting(0.2, ge=0, lt=1)  # ratio clipped below at 1 - eps_low
+    eps_high: float = rlmix.setting(0.2, ge=0)  # ratio clipped above at 1 + eps_high
     old_logp: str = "auto"  # what the ratio divides by: auto | behavior | detached
 
     def __post_init__(self) -> None:
         if self.old_logp not in OLD_LOGP:
             raise ValueError(f"old_logp: {self.old_logp!r} is not allowed; choose one of "
                              f"{', '.join(OLD_LOGP)}")
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
-        if self.eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        rlmix.check_ranges(self)
+
+
+RLMIX_GROUP_RELATIVE = True  # group-centred advantages: groups need >= 2 completions
 
 
 def centered_advantage(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,11 @@ NAME = "entropy"
 
 @dataclass
 class Settings:
-    coef: float = 0.001  # entropy coefficient; the loss becomes loss - coef * entropy per token
+    # entropy coefficient; the loss becomes loss - coef * entropy per token
+    coef: float = rlmix.setting(0.001, ge=0, why="a negative coefficient would penalise entropy")
 
     def __post_init__(self) -> None:
-        if self.coef < 0:
-            raise ValueError("coef must be >= 0 (a negative coefficient would penalise entropy)")
+        rlmix.check_ranges(self)
 
 
 def entropy_bonus(loss: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,

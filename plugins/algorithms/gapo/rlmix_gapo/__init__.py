@@ -21,16 +21,17 @@ SCALES = ("baseline", "group", "none")
 @dataclass
 class Settings:
     interval: str = "snr"  # snr: the window of highest mean/std; hdi: the narrowest window
-    min_fraction: float = 0.5  # a window holds at least ceil(min_fraction * G) rewards (>= 2)
+    # a window holds at least ceil(min_fraction * G) rewards (>= 2)
+    min_fraction: float = rlmix.setting(0.5, gt=0, le=1)
     scale: str = "baseline"  # baseline: RMS deviation around Q | group: the group's std | none
-    eps: float = 1e-6  # added to the scale before dividing
+    eps: float = rlmix.setting(1e-6, ge=0)  # added to the scale before dividing
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, interval=INTERVALS, scale=SCALES)
-        if not 0.0 < self.min_fraction <= 1.0:
-            raise ValueError("min_fraction: must be in (0, 1]")
-        if self.eps < 0:
-            raise ValueError("eps: must be >= 0")
+        rlmix.check_ranges(self)
+
+
+RLMIX_GROUP_RELATIVE = True  # the baseline comes from the group's rewards
 
 
 def min_window(group_size: int, min_fraction: float) -> int:

@@ -23,10 +23,10 @@ kl_estimate = ops.kl_estimate
 @dataclass
 class Settings:
     scale: str = "group"  # divide by the group's std | the batch's std | nothing
-    eps: float = 1e-6  # added to the std before dividing
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high
-    beta: float = 0.0  # KL coefficient; 0 = no reference model
+    eps: float = rlmix.setting(1e-6, ge=0)  # added to the std before dividing
+    eps_low: float = rlmix.setting(0.2, ge=0, lt=1)  # ratio clipped below at 1 - eps_low
+    eps_high: float = rlmix.setting(0.2, ge=0)  # ratio clipped above at 1 + eps_high
+    beta: float = rlmix.setting(0.0, ge=0)  # KL coefficient; 0 = no reference model
     kl_estimator: str = "k3"
     loss_mode: str = "seq-mean-token-mean"
     old_logp: str = "auto"  # what the ratio divides by (see README)
@@ -36,10 +36,11 @@ class Settings:
                             kl_estimator=KL_ESTIMATORS,
                             loss_mode=LOSS_MODES,
                             old_logp=OLD_LOGP)
-        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
-            raise ValueError("eps_low must be in [0, 1) and eps_high >= 0")
-        if self.beta < 0:
-            raise ValueError("beta must be >= 0")
+        rlmix.check_ranges(self)
+
+
+# owning rlmix_advantage, it compares the completions of a prompt: groups need >= 2
+RLMIX_GROUP_RELATIVE = True
 
 
 def group_normalized_advantage(rewards: torch.Tensor, group: torch.Tensor, scale: str = "group",

@@ -19,15 +19,16 @@ LOG_RATIO_CAP = 10.0
 
 @dataclass
 class Settings:
-    eps_low: float = 3e-4  # sequence ratio clipped below at 1 - eps_low (the paper's 3e-4)
-    eps_high: float = 4e-4  # sequence ratio clipped above at 1 + eps_high (the paper's 4e-4)
+    # sequence ratio clipped below at 1 - eps_low (the paper's 3e-4)
+    eps_low: float = rlmix.setting(3e-4, ge=0, lt=1)
+    # sequence ratio clipped above at 1 + eps_high (the paper's 4e-4)
+    eps_high: float = rlmix.setting(4e-4, ge=0)
     loss_mode: str = "seq-mean-token-mean"  # the one mode that is the paper's sequence objective
     old_logp: str = "auto"  # what the ratio divides by, grpo's rule (see README)
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
-        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
-            raise ValueError("eps_low must be in [0, 1) and eps_high >= 0")
+        rlmix.check_ranges(self)
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor,

@@ -25,7 +25,7 @@ build_reference = frozen_copy
 
 @dataclass
 class Settings:
-    beta: float = 0.001  # KL coefficient
+    beta: float = rlmix.setting(0.001, ge=0)  # KL coefficient
     estimator: str = "k3"  # k1 | k2 | k3
     placement: str = "loss"  # loss: beta * KL_t added to every token's loss; reward: a score term
     policy_logp: str = "recompute"  # reward placement: the sampled policy's log-probs (see README)
@@ -34,8 +34,7 @@ class Settings:
         rlmix.check_choices(self, estimator=ESTIMATORS,
                             placement=PLACEMENTS,
                             policy_logp=POLICY_LOGP)
-        if self.beta < 0:
-            raise ValueError("beta must be >= 0")
+        rlmix.check_ranges(self)
 
 
 def sequence_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor,

@@ -29,33 +29,24 @@ whiten = ops.masked_whiten
 
 @dataclass
 class Settings:
-    gamma: float = 1.0  # discount per completion token
-    lam: float = 0.95  # GAE lambda; 1 = Monte-Carlo return minus the value
+    gamma: float = rlmix.setting(1.0, ge=0, le=1)  # discount per completion token
+    # GAE lambda; 1 = Monte-Carlo return minus the value
+    lam: float = rlmix.setting(0.95, ge=0, le=1)
     whiten: bool = True  # normalise advantages to mean 0, std 1 over the batch's tokens
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high
+    eps_low: float = rlmix.setting(0.2, ge=0, lt=1)  # ratio clipped below at 1 - eps_low
+    eps_high: float = rlmix.setting(0.2, ge=0)  # ratio clipped above at 1 + eps_high
     loss_mode: str = "token-mean"  # aggregation of the policy loss
     old_logp: str = "auto"  # what the ratio divides by (as in grpo)
-    vf_coef: float = 0.1  # weight of the value loss in the summed loss
-    value_clip: float = 0.2  # new values kept within old +- value_clip; 0 = no value clipping
-    critic_lr: float = 1e-5
-    critic_weight_decay: float = 0.0
-    critic_max_grad_norm: float = 1.0  # 0 = no clipping
+    vf_coef: float = rlmix.setting(0.1, ge=0)  # weight of the value loss in the summed loss
+    # new values kept within old +- value_clip; 0 = no value clipping
+    value_clip: float = rlmix.setting(0.2, ge=0)
+    critic_lr: float = rlmix.setting(1e-5, gt=0)
+    critic_weight_decay: float = rlmix.setting(0.0, ge=0)
+    critic_max_grad_norm: float = rlmix.setting(1.0, ge=0)  # 0 = no clipping
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=OLD_LOGP)
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
-        if self.eps_low < 0 or self.eps_low >= 1:
-            raise ValueError(f"eps_low: must be in [0, 1), got {self.eps_low}")
-        if self.eps_high < 0:
-            raise ValueError(f"eps_high: must be >= 0, got {self.eps_high}")
-        if self.critic_lr <= 0:
-            raise ValueError(f"critic_lr: must be > 0, got {self.critic_lr}")
-        for name in ("vf_coef", "value_clip", "critic_weight_decay", "critic_max_grad_norm"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        rlmix.check_ranges(self)
 
 
 # ---------------------------------------------------------------- pure tensor math

@@ -25,23 +25,24 @@ _build_reference = frozen_copy
 
 @dataclass
 class Settings:
-    beta: float = 0.01  # KL coefficient in the token rewards; 0 = no reference model
+    # KL coefficient in the token rewards; 0 = no reference model
+    beta: float = rlmix.setting(0.01, ge=0)
     kl_estimator: str = "k1"  # the paper's reward KL is k1, log(pi_old / pi_ref)
-    gamma: float = 1.0  # discount of the returns-to-go
+    gamma: float = rlmix.setting(1.0, ge=0, le=1)  # discount of the returns-to-go
     baseline: str = "none"  # none: REINFORCE++; group: subtract the group's mean reward first
-    eps: float = 1e-8  # added to the batch variance before the square root
+    eps: float = rlmix.setting(1e-8, ge=0)  # added to the batch variance before the square root
     policy_logp: str = "recompute"  # the sampled policy's log-probs for the KL (see README)
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, kl_estimator=ESTIMATORS,
                             baseline=BASELINES,
                             policy_logp=POLICY_LOGP)
-        if self.beta < 0:
-            raise ValueError("beta must be >= 0")
-        if not 0 <= self.gamma <= 1:
-            raise ValueError("gamma must be in [0, 1]")
-        if self.eps < 0:
-            raise ValueError("eps must be >= 0")
+        rlmix.check_ranges(self)
+
+
+# with baseline: group, the group's mean reward is subtracted: groups need >= 2 completions
+def RLMIX_GROUP_RELATIVE(settings: Settings) -> bool:  # noqa: N802 - a declared name
+    return settings.baseline == "group"
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:

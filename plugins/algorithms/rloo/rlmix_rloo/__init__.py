@@ -15,11 +15,13 @@ from rlmix.types import RolloutBatch, Run
 @dataclass
 class Settings:
     normalize: bool = False  # whiten the advantages over the whole batch (TRL's option)
-    eps: float = 1e-4  # added to the batch std when normalize is on
+    eps: float = rlmix.setting(1e-4, ge=0)  # added to the batch std when normalize is on
 
     def __post_init__(self) -> None:
-        if self.eps < 0:
-            raise ValueError("eps must be >= 0")
+        rlmix.check_ranges(self)
+
+
+RLMIX_GROUP_RELATIVE = True  # the baseline is the other completions of the same prompt
 
 
 def leave_one_out_advantage(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,10 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
     return prompts
 
 
+# the terms rlmix_score returns: score.weights naming another fails before the model loads
+RLMIX_SCORE_TERMS = ("correct", "format")
+
+
 @rlmix.hookimpl
 def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     answers = [p.answer for p in batch.prompts]

@@ -143,6 +143,10 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
     return [to_prompt(run, p, s.instructions, f"train-{step}-{i}") for i, p in enumerate(chosen)]
 
 
+# the terms rlmix_score returns: score.weights naming another fails before the model loads
+RLMIX_SCORE_TERMS = ("correct", "format")
+
+
 @rlmix.hookimpl
 def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     s = run.settings(NAME)

@@ -34,6 +34,8 @@ import rlmix
 from rlmix.types import GenerationRequest, RolloutBatch, Run
 
 NAME = "ray"
+# the workers answer rlmix_generate with the manifest's other rollout engine
+RLMIX_REQUIRES = {"rlmix_generate": "a rollout engine for its workers, e.g. hf"}
 RAY_PIP = "pip install 'ray>=2.9'"
 
 
