@@ -162,7 +162,7 @@ def evolve(metric: Metric, pool: Sequence[str], anchors: Sequence[Anchor],
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s: Settings = run.settings(NAME)
-    if not s.anchors:
+    if s.pool and not s.anchors:
         raise rlmix.ConfigError("double_ratchet.anchors: the metric needs an anchored "
                                 "reference set (items {text, score})")
     heldout = {a["text"] for a in s.heldout}

@@ -72,7 +72,7 @@ def test_settings_and_configure_are_checked():
         dr.Settings(pool=["("])
     with pytest.raises(ValueError, match="text"):
         dr.Settings(anchors=[{"score": 1}])
-    run = make_run({"double_ratchet": dr}, [])
+    run = make_run({"double_ratchet": dr}, ['double_ratchet.pool=["x"]'])
     with pytest.raises(rlmix.ConfigError, match="anchors"):
         dr.rlmix_configure(run)
 

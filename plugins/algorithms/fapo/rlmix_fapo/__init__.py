@@ -44,7 +44,7 @@ JUDGE_PROMPT = (
 
 @dataclass
 class Settings:
-    correct_term: str = "arith.correct"  # "<plugin>.<term>" of the outcome verifier
+    correct_term: str = "auto"  # "<plugin>.<term>" of the outcome verifier; auto: see README
     correct_threshold: float = 0.5  # a sample is correct when that term is above this
     detector: str = "rules"  # rules | judge
     guess_patterns: list[str] = field(default_factory=lambda: list(DEFAULT_GUESS_PATTERNS))
@@ -57,8 +57,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, detector=DETECTORS, schedule=SCHEDULES)
-        if "." not in self.correct_term:
-            raise ValueError(f"correct_term: {self.correct_term!r} must be '<plugin>.<term>'")
+        if self.correct_term != "auto" and "." not in self.correct_term:
+            raise ValueError(f"correct_term: {self.correct_term!r} must be 'auto' or "
+                             f"'<plugin>.<term>'")
         if self.coef < 0 or self.min_steps < 0 or self.max_response_chars < 1:
             raise ValueError("coef and min_steps must be >= 0, max_response_chars >= 1")
         if not self.step_separator:
@@ -121,11 +122,23 @@ def judge_flaws(lm: Any, questions: Sequence[str], responses: Sequence[str],
 # ---------------------------------------------------------------- reading another scorer's term
 
 
-def scorer_term(run: Run, batch: RolloutBatch, name: str, me: str) -> torch.Tensor:
+def scorer_term(run: Run, batch: RolloutBatch, name: str, me: str) -> torch.Tensor | None:
     """The values of reward term ``<plugin>.<term>`` for ``batch``: from ``batch.reward_terms``
     when the core has already put it there (the scorer ran before this one), otherwise by calling
     that plugin's scorer (scorers are pure functions of the batch, so calling one twice is
-    safe; an expensive one then runs twice)."""
+    safe; an expensive one then runs twice). ``auto``: the first other scorer's term named
+    ``correct``; with none, ``None`` (no sample counts as correct)."""
+    if name == "auto":
+        for key, value in batch.reward_terms.items():
+            if key.endswith(".correct") and not key.startswith(me + "."):
+                return torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        for impl in run.pm.hook.rlmix_score.get_hookimpls():
+            if impl.plugin_name == me or impl.wrapper or impl.hookwrapper:
+                continue
+            result = impl.function(run=run, batch=batch) or {}
+            if "correct" in result:
+                return torch.as_tensor(result["correct"], dtype=torch.float32).reshape(-1)
+        return None
     if name in batch.reward_terms:
         return torch.as_tensor(batch.reward_terms[name], dtype=torch.float32).reshape(-1)
     plugin, _, term = name.rpartition(".")
@@ -152,7 +165,7 @@ def question_of(batch: RolloutBatch, i: int) -> str:
 def rlmix_configure(run: Run) -> None:
     s: Settings = run.settings(NAME)
     plugin = s.correct_term.rpartition(".")[0]
-    if plugin not in run.plugin_names:
+    if s.correct_term != "auto" and plugin not in run.plugin_names:
         raise rlmix.ConfigError(f"fapo.correct_term: {s.correct_term!r} names plugin {plugin!r}, "
                                 f"which is not in the manifest's plugins")
 
@@ -160,7 +173,9 @@ def rlmix_configure(run: Run) -> None:
 @rlmix.hookimpl
 def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     s: Settings = run.settings(NAME)
-    correct = scorer_term(run, batch, s.correct_term, NAME) > s.correct_threshold
+    values = scorer_term(run, batch, s.correct_term, NAME)
+    correct = (values > s.correct_threshold if values is not None
+               else torch.zeros(len(batch), dtype=torch.bool))
     flawed = torch.zeros(len(batch), dtype=torch.bool)
     if s.detector == "rules":
         flawed = rule_flaws(batch.texts, s.guess_patterns, s.min_steps, s.step_separator)

@@ -125,6 +125,17 @@ def test_hook_with_scripted_judge_only_judges_positives_and_never_crashes():
     assert run.pending_metrics["fapo/judge_calls"] == 3
 
 
+def test_auto_finds_a_correct_term_and_without_one_penalises_nothing():
+    run = make_run({"verifier": Verifier(), "fapo": fapo}, [])  # correct_term: auto
+    batch = _batch(["I guess 7", "3+4=7\n7"], [1, 1])
+    loop.score(run, batch)
+    assert batch.reward_terms["fapo.penalty"].tolist() == [-1.0, 0.0]
+    alone = make_run({"fapo": fapo}, [])
+    batch = _batch(["I guess 7"], [1])
+    loop.score(alone, batch)
+    assert batch.reward_terms["fapo.penalty"].tolist() == [0.0]
+
+
 def test_missing_verifier_plugin_fails_at_configure():
     run = make_run({"fapo": fapo}, ["fapo.correct_term=arith.correct"])
     with pytest.raises(rlmix.ConfigError, match="arith"):

@@ -20,15 +20,16 @@ NAME = "reagent.c"
 
 @dataclass
 class Settings(JudgeSettings):
-    correct_term: str = "arith.correct"  # "<plugin>.<term>": a row fails at or below threshold
+    correct_term: str = ""  # "<plugin>.<term>", "" = the weighted reward; fails at <= threshold
     threshold: float = 0.5
     max_refine: int = 8  # refined rows per group at most
     feedback: str = "A reviewer's critique of your answer:\n{critique}\nWrite an improved answer."
 
     def __post_init__(self) -> None:
         self.check_judge()
-        if "." not in self.correct_term:
-            raise ValueError(f"correct_term: {self.correct_term!r} must be '<plugin>.<term>'")
+        if self.correct_term and "." not in self.correct_term:
+            raise ValueError(f"correct_term: {self.correct_term!r} must be '' or "
+                             f"'<plugin>.<term>'")
         if self.max_refine < 0:
             raise ValueError("max_refine must be >= 0")
         if "{critique}" not in self.feedback:
@@ -57,11 +58,12 @@ def failures(correct: torch.Tensor, group: torch.Tensor, max_per_group: int) -> 
 
 def refine(run: Run, batch: RolloutBatch, owner: str, s: Settings) -> RolloutBatch:
     """``batch`` plus one critique-refined row per failed row (in its group)."""
-    sampling.score(run, batch)
-    if s.correct_term not in batch.reward_terms:
+    rewards = sampling.score(run, batch)
+    if s.correct_term and s.correct_term not in batch.reward_terms:
         raise rlmix.ConfigError(f"{owner}.correct_term: no scorer returned {s.correct_term!r}; "
                                 f"terms: {', '.join(sorted(batch.reward_terms))}")
-    correct = batch.reward_terms[s.correct_term] > s.threshold
+    values = batch.reward_terms[s.correct_term] if s.correct_term else rewards
+    correct = values > s.threshold
     rows = failures(correct, batch.group, s.max_refine)
     run.log(f"{owner}/first_pass_failures", float(len(rows)))
     if not rows:
