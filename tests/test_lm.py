@@ -142,3 +142,18 @@ def test_settings_are_checked():
         LMSettings(source="local")
     with pytest.raises(TypeError):
         HTTPChatLM("http://127.0.0.1:1/v1").complete([{"content": "no role"}])
+
+
+def test_parse_verdict_is_strict_about_keys_and_types():
+    from rlmix.lm import parse_verdict
+
+    fields = {"flawed": bool}
+    assert parse_verdict('text {"flawed": true} more', fields) == {"flawed": True}
+    # the first object that fits wins; nested and later objects are searched too
+    assert parse_verdict('{"x": 1} {"flawed": false}', fields) == {"flawed": False}
+    assert parse_verdict('{"a": {"flawed": true}}', fields) == {"flawed": True}
+    for reply in ("no json", '{"flawed": "yes"}', '{"flawed": ', "[true]", ""):
+        assert parse_verdict(reply, fields) is None
+    # a JSON boolean is not a number
+    assert parse_verdict('{"score": true}', {"score": (int, float)}) is None
+    assert parse_verdict('{"score": 0.5}', {"score": (int, float)}) == {"score": 0.5}

@@ -264,3 +264,33 @@ def make_lm(run: Run, settings: LMSettings, owner: str = "") -> LM:
         return HTTPChatLM(settings.base_url, settings.model, key, settings.timeout_s,
                           settings.retries, settings.backoff_s)
     raise LMError(f"{where}.source: {settings.source!r} is not one of {', '.join(SOURCES)}")
+
+
+def parse_verdict(reply: str, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any] | None:
+    """The first JSON object in a judge's ``reply`` that has every key of ``fields`` with a value
+    of the given type(s), or ``None`` (prose, truncated JSON, a missing key, a wrong type).
+
+    Reward plugins that ask a model for a structured verdict call this and score a ``None`` as 0
+    (and count it): the policy's text reaches the judge, so a reply is never trusted to parse.
+    ``bool`` is not accepted where a number is asked for (JSON ``true`` is not a score)."""
+    decoder = json.JSONDecoder()
+    start = reply.find("{")
+    while start != -1:
+        try:
+            value, _ = decoder.raw_decode(reply, start)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict) and all(_has_type(value, k, t) for k, t in fields.items()):
+            return value
+        start = reply.find("{", start + 1)
+    return None
+
+
+def _has_type(value: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> bool:
+    if key not in value:
+        return False
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    item = value[key]
+    if isinstance(item, bool) and bool not in kinds:
+        return False
+    return isinstance(item, kinds)
