@@ -259,6 +259,17 @@ class Run:
             self.pending_metrics.pop(k, None)
         return out
 
+    def plugin_state(self, name: str) -> dict[str, Any]:
+        """Plugin ``name``'s checkpointed state: the dict ``run.state[name]`` (made on first
+        use). Keyed by the plugin's entry-point name, so plugins never collide on free strings;
+        what it holds must pickle with ``torch.save``."""
+        return self.state.setdefault(str(name), {})
+
+    def plugin_resources(self, name: str) -> dict[str, Any]:
+        """Plugin ``name``'s objects that are not checkpointed (a reference model, a thread
+        pool, a published service): the dict ``run.resources[name]`` (made on first use)."""
+        return self.resources.setdefault(str(name), {})
+
     def settings(self, name: str) -> Any:
         """The validated settings dataclass of plugin ``name`` (its manifest block)."""
         try:

@@ -343,7 +343,7 @@ def rlmix_sample(run: Run, prompts: list[Prompt]):
     state["rollouts"] += generated
     state["groups"] += len(dead)
     state["dead_groups"] += int(dead.sum())
-    run.resources["aero.stats"] = {
+    stats = {
         "aero/rollouts": float(generated),
         "aero/owner_rollouts": float(owner_rollouts),
         "aero/rescue_rollouts": float(rescued),
@@ -353,13 +353,9 @@ def rlmix_sample(run: Run, prompts: list[Prompt]):
         "aero/wasted_fraction": wasted / max(generated, 1),
         "aero/dropped_samples": float(generated - len(batch)),
         "aero/prompts_tracked": float(len(state["posterior"])),
-        "aero/selected": [keys[i] for i in chosen],
     }
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
+    # which prompts this step chose (not a metric; tests and debugging read it)
+    run.plugin_resources(NAME)["selected"] = [keys[i] for i in chosen]
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    stats = run.resources.pop("aero.stats", None)
-    if stats:
-        metrics.update({k: v for k, v in stats.items() if isinstance(v, float)})

@@ -209,9 +209,11 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     state["mc_rollouts"] += spent
     state["targets"] += len(targets)
     run.resources[f"{NAME}.last_targets"] = list(zip(steps, targets))
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "agent_prm/mc_rollouts": float(spent), "agent_prm/targets": float(len(targets)),
         "agent_prm/target_mean": sum(targets) / len(targets) if targets else 0.0}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
 
 
@@ -225,8 +227,3 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         sc = head_scores(w, features(steps, s.feature_dim)) if steps else torch.zeros(0)
         out.append(aggregate_scores(sc, s.aggregate))
     return {"prm": torch.tensor(out)}
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -222,6 +222,7 @@ def test_overlong_hook_defaults_to_max_new_tokens_and_is_logged_as_a_term():
     run = make_run({"dapo.overlong": overlong}, ["dapo.overlong.max_length=8",
                                                  "dapo.overlong.cache_length=3",
                                                  "score.weights.dapo.overlong.penalty=0.5"])
+    batch.reward_terms = {}  # a scored batch keeps its terms (score once): score it afresh
     loop.score(run, batch)
     torch.testing.assert_close(batch.rewards, 0.5 * overlong_penalty(lengths, 8, 3))
 

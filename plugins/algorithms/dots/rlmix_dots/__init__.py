@@ -203,15 +203,12 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     state["groups"] += len(flat)
     state["zero_adv_groups"] += int(flat.sum())
     state["replayed"] += len(taken)
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "dots/rollouts": float(generated), "dots/replayed_groups": float(len(taken)),
         "dots/fresh_zero_adv_groups": float(fresh_zero),
         "dots/zero_adv_groups": float(flat.sum()),
         "dots/predicted_difficulty": float(predicted[[rest.index(i) for i in chosen]].mean())
         if chosen else 0.0}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

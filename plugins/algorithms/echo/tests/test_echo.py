@@ -103,7 +103,7 @@ def test_wrapper_budget_cap_pruning_and_labels():
     run = _run(env, overrides=["echo.width_max=6"])
     batch = run.sample(run.hook.rlmix_prompts(run=run, step=0))
     assert env.generated == 64 == run.state["echo"]["rollouts"]  # 8 x 4 roots + 32 branches
-    stats = run.resources["echo.stats"]
+    stats = run.pending_metrics
     assert stats["echo/max_width"] <= 6 and stats["echo/branch_rollouts"] == 32
     assert len(batch) == 64 - stats["echo/pruned"]
     terms = rlmix_echo.rlmix_score(run=run, batch=batch)["pseudo_correct"]
