@@ -194,7 +194,8 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
         if not bool(flat[g]):
             group_rows = batch.select((batch.group == g).nonzero().flatten())
             group_rows.group = torch.zeros(len(group_rows), dtype=torch.long)
-            group_rows.rewards, group_rows.reward_terms = None, {}
+            # kept with its reward terms: a replayed group is not scored again (score once)
+            group_rows.rewards = None
             state["buffer"].append(group_rows)
     del state["buffer"][:max(0, len(state["buffer"]) - s.buffer_size)]
     if taken:
