@@ -258,9 +258,9 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     own = all(p.info.get("step") == run.step and not p.info.get("eval") for p in batch.prompts)
     if batch.prompts and own and state["scored_step"] != run.step:
         state["scored_step"] = run.step
-        by_kind = accuracy_by_kind(kinds, correct)
-        by_kind["all"] = float(correct.mean())
-        run.resources["stream.step_accuracy"] = (run.step, by_kind)
+        run.log(f"{NAME}/accuracy", float(correct.mean()))  # written with the step's metrics
+        for kind, acc in sorted(accuracy_by_kind(kinds, correct).items()):
+            run.log(f"{NAME}/accuracy/{kind}", acc)
     return {"correct": correct, "format": format_reward(batch.texts)}
 
 
@@ -291,10 +291,3 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     s = run.settings(NAME)
     step = run.step - 1  # the step whose tasks were just solved
     metrics[f"{NAME}/phase"] = phase_index(s.schedule, step, s.after)
-    found = run.resources.pop("stream.step_accuracy", None)
-    if found is None or found[0] != step:
-        return
-    by_kind = dict(found[1])
-    metrics[f"{NAME}/accuracy"] = by_kind.pop("all")
-    for kind, acc in sorted(by_kind.items()):
-        metrics[f"{NAME}/accuracy/{kind}"] = acc
