@@ -11,7 +11,7 @@ them, and its score as a reward term.
   ``aggregate`` (mean, min or last).
 
 Continuations need an engine that can resume a partial completion. By default the plugin samples
-them from ``run.policy`` with the hf engine's sampler (``rlmix_hf.sample_tokens``); an env or
+them from ``run.policy`` with the core's sampling loop (``rlmix.sampling.sample_tokens``); an env or
 engine can put its own function in ``run.resources["agent_prm.continue"]``:
 ``fn(run, prompt, prefix_text, n) -> list[str]`` (the continuation texts).
 """
@@ -130,7 +130,7 @@ def _state(run: Run, dim: int) -> dict[str, Any]:
 
 def _policy_continue(run: Run, prompt: Prompt, prefix: str, n: int) -> list[str]:
     """``n`` continuations of ``prefix`` sampled from the policy (the hf engine's sampler)."""
-    from rlmix_hf import sample_tokens, stop_token_ids
+    from rlmix.sampling import sample_tokens, stop_token_ids
 
     policy = run.policy
     if policy is None:
