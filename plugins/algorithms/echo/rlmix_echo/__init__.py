@@ -184,11 +184,11 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     pruned = len(batch) - len(keep)
     if pruned:  # the pruned rows stay inspectable until the next step
         kept_set = set(keep)
-        run.resources[f"{NAME}.pruned"] = batch.select(
+        run.plugin_resources(NAME)["pruned"] = batch.select(
             [i for i in range(len(batch)) if i not in kept_set])
         batch = batch.select(keep)
     else:
-        run.resources.pop(f"{NAME}.pruned", None)
+        run.plugin_resources(NAME).pop("pruned", None)
     _label_batch(batch, s.answer_regex)
     state["pruned"] += pruned
     stats = {

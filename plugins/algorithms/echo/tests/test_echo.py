@@ -154,7 +154,7 @@ def test_claim_more_accurate_pseudo_labels_at_equal_budget_and_pruning_hits_wron
         for g in range(batch.num_groups):
             row = int((batch.group == g).nonzero()[0])
             right_e += batch.info[row]["echo"]["label"] == str(batch.prompts[row].answer)
-        gone = run_e.resources.get("echo.pruned")
+        gone = run_e.plugin_resources("echo").get("pruned")
         if gone is not None:
             pruned += len(gone)
             pruned_right += sum(t == f"so {p.answer}" for t, p in zip(gone.texts, gone.prompts))

@@ -197,10 +197,10 @@ def to_prompt(run: Run, kind: str, question: str, answer: int, pid: str,
 
 
 def _held_out(run: Run) -> tuple[list[tuple[str, str, int]], set[str]]:
-    cached = run.resources.get("stream.eval")
+    cached = run.plugin_resources(NAME).get("eval")
     if cached is None:
         tasks = eval_tasks(run.settings(NAME))
-        cached = run.resources["stream.eval"] = (tasks, {q for _, q, _ in tasks})
+        cached = run.plugin_resources(NAME)["eval"] = (tasks, {q for _, q, _ in tasks})
     return cached
 
 

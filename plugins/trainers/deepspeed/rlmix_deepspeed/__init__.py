@@ -65,7 +65,7 @@ class Settings:
 
 @dataclass
 class Trainer:
-    """What the plugin keeps in ``run.resources['deepspeed']``."""
+    """What the plugin keeps in ``run.plugin_resources("deepspeed")["trainer"]``."""
 
     engine: Any
     settings: Settings
@@ -197,7 +197,7 @@ def init_distributed(settings: Settings, device_type: str) -> Any:
 
 
 def _trainer(run: Run) -> Trainer | None:
-    tr = run.resources.get(NAME)
+    tr = run.plugin_resources(NAME).get("trainer")
     return tr if isinstance(tr, Trainer) else None
 
 
@@ -230,7 +230,7 @@ def rlmix_configure(run: Run) -> None:
               "parameters, so the ranks must generate in lockstep (same number of decode steps); "
               "a rollout engine that stops early on some ranks hangs (with hf, set "
               "hf.stop_at_eos=false, or sample with ray/vllm)", file=sys.stderr)
-    run.resources[f"{NAME}.setup"] = (rank, world, run.out_dir, device)
+    run.plugin_resources(NAME)["setup"] = (rank, world, run.out_dir, device)
     if rank > 0:  # one run folder for rank 0's metrics and checkpoints; the others log apart
         run.out_dir = run.out_dir / "ranks" / f"rank-{rank}"
     run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
@@ -243,7 +243,7 @@ def rlmix_prepare_model(run: Run) -> None:
     core restored the checkpoint's weights into it."""
     if _trainer(run) is not None:
         return
-    setup = run.resources.pop(f"{NAME}.setup", None)
+    setup = run.plugin_resources(NAME).pop("setup", None)
     if setup is None or run.policy is None:
         raise RuntimeError("plugin 'deepspeed': rlmix_prepare_model before rlmix_configure")
     rank, world, root, device = setup
@@ -264,8 +264,8 @@ def rlmix_prepare_model(run: Run) -> None:
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     # the rollout engine reads run.policy.model: it must be the module DeepSpeed updates
     run.policy.model = engine.module
-    run.resources[NAME] = Trainer(engine=engine, settings=settings, rank=rank, world=world,
-                                  root=root, device=device)
+    run.plugin_resources(NAME)["trainer"] = Trainer(
+        engine=engine, settings=settings, rank=rank, world=world, root=root, device=device)
 
 
 @rlmix.hookimpl

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(metrics["loss"])
             norms.append(metrics.get("update/grad_norm", float("nan")))
             rewards.append(metrics["reward/mean"])
-        tr = run.resources.get("deepspeed")
+        tr = run.plugin_resources("deepspeed").get("trainer")
         if tr is not None:
             import rlmix_deepspeed
 

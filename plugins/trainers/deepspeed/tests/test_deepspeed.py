@@ -103,7 +103,7 @@ def test_token_logprobs_declines_unless_stage_3(tiny_model):
     labels = torch.randint(0, model.config.vocab_size, (2, 3))
     head = model.get_output_embeddings()
     assert rlmix_deepspeed.rlmix_token_logprobs(run, hidden, head, labels) is None
-    run.resources["deepspeed"] = rlmix_deepspeed.Trainer(
+    run.plugin_resources("deepspeed")["trainer"] = rlmix_deepspeed.Trainer(
         engine=None, settings=Settings(stage=3), rank=0, world=1, root=Path("."),
         device=torch.device("cpu"))
     logp, entropy = rlmix_deepspeed.rlmix_token_logprobs(run, hidden, head, labels)
