@@ -87,3 +87,22 @@ def test_reference_copies_are_full_and_resume_restores_before_the_model_is_wrapp
     for name, value in saved.items():  # the trainer wrapped the restored weights
         torch.testing.assert_close(wrapped[name], value, rtol=0, atol=0)
     assert all(p.numel() == 0 for p in run.policy.model.parameters())
+
+
+class Late:
+    @rlmix.hookimpl(trylast=True)
+    def rlmix_configure(self, run):
+        CALLS.append("configure:late")
+
+
+class Early:
+    @rlmix.hookimpl(tryfirst=True)
+    def rlmix_configure(self, run):
+        CALLS.append("configure:early")
+
+
+def test_tryfirst_and_trylast_keep_their_meaning_within_manifest_order():
+    CALLS.clear()
+    run = make_run({"late": Late(), "b": Recorder("b"), "early": Early(), "a": Recorder("a")})
+    loop.configure(run)
+    assert CALLS == ["configure:early", "configure:b", "configure:a", "configure:late"]

@@ -73,17 +73,19 @@ def rlmix_configure(run: Run) -> None:
     """Read this plugin's settings, check them, allocate what it needs.
 
     Called once per run, after the model is loaded and before the first step, for every loaded
-    plugin, in manifest order (the order of ``plugins:``; the core's defaults, registered
-    ``trylast``, come after every plugin). A plugin listed later can therefore rely on what an
-    earlier one set up. The model is still the full, unwrapped model here: take reference copies
-    (``rlmix.policy.frozen_copy``) now. Wrapping or partitioning the model (a trainer's engine,
-    ZeRO-3) belongs in ``rlmix_prepare_model``, which runs after every ``rlmix_configure`` and,
-    on ``--resume``, after the checkpoint's weights are restored. Read your settings with
-    ``run.settings("<your entry-point name>")``: they are already validated against your
-    ``Settings`` dataclass. Raise ``rlmix.ConfigError`` (or any exception) to stop the run; the
-    CLI reports it with your plugin's name. State that must survive a checkpoint goes in
-    ``run.plugin_state("<your name>")`` (a dict in ``run.state``; anything ``torch.save`` can
-    pickle); objects that must not be pickled in ``run.plugin_resources("<your name>")``.
+    plugin, in manifest order (the order of ``plugins:``); implementations marked ``tryfirst``
+    come before the others and ``trylast`` ones (the core's defaults, and plugins such as
+    ``sequential_gate`` that wrap what others published) after them. A plugin listed later can
+    therefore rely on what an earlier one set up. The model is still the full, unwrapped model
+    here: take reference copies (``rlmix.policy.frozen_copy``) now. Wrapping or partitioning
+    the model (a trainer's engine, ZeRO-3) belongs in ``rlmix_prepare_model``, which runs after
+    every ``rlmix_configure`` and, on ``--resume``, after the checkpoint's weights are
+    restored. Read your settings with ``run.settings("<your entry-point name>")``: they are
+    already validated against your ``Settings`` dataclass. Raise ``rlmix.ConfigError`` (or any
+    exception) to stop the run; the CLI reports it with your plugin's name. State that must
+    survive a checkpoint goes in ``run.plugin_state("<your name>")`` (a dict in ``run.state``;
+    anything ``torch.save`` can pickle); objects that must not be pickled in
+    ``run.plugin_resources("<your name>")``.
     """
 
 

@@ -71,8 +71,18 @@ def load_policy(run: Run) -> None:
                         gradient_checkpointing=bool(pol.gradient_checkpointing))
 
 
+def manifest_order(impls: list[Any]) -> list[Any]:
+    """Hook implementations in the order a phase runs them: ``tryfirst`` ones, then the rest,
+    then ``trylast`` ones (the core's defaults, and plugins that must see the others' work),
+    each group in registration order, which is manifest order. (``get_hookimpls`` lists them
+    in pluggy's storage order, trylast first.)"""
+    first = [i for i in impls if i.tryfirst]
+    last = [i for i in impls if i.trylast and not i.tryfirst]
+    return first + [i for i in impls if not (i.tryfirst or i.trylast)] + last
+
+
 def configure(run: Run) -> None:
-    for impl in run.pm.hook.rlmix_configure.get_hookimpls():  # manifest order
+    for impl in manifest_order(run.pm.hook.rlmix_configure.get_hookimpls()):
         try:
             impl.function(run=run)
         except (ManifestError, PluginError) as exc:
@@ -109,7 +119,7 @@ def prepare_model(run: Run) -> None:
     plugin wrap or partition it (manifest order)."""
     if int(run.config.train.max_staleness) > 0 and run.policy is not None:
         async_sampling.take_model_copy(run)
-    for impl in run.pm.hook.rlmix_prepare_model.get_hookimpls():  # manifest order
+    for impl in manifest_order(run.pm.hook.rlmix_prepare_model.get_hookimpls()):
         try:
             impl.function(run=run)
         except (ManifestError, PluginError):
