@@ -113,6 +113,22 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt] | None:
     """
 
 
+@hookspec
+def rlmix_select_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt] | None:
+    """Choose the prompts a training step samples: return a new list, or ``None`` to keep them.
+
+    Called once per training batch by ``Run.sample`` (so also in the async sampler's worker),
+    just before ``rlmix_sample``, never by evaluation, harness scoring or a wrapper's extra
+    rounds. Every implementation is called, in manifest order (``tryfirst`` ones first), each
+    with the previous one's list. For rollout-allocation plugins that pick which prompts the
+    ``rlmix_sample`` owner generates for (``aero``, ``dots``): a pluggy wrapper on
+    ``rlmix_sample`` cannot pass new arguments to the owner, and mutating the caller's list
+    (``prompts[:] = ...``) changed it under every other plugin. Never change ``prompts`` in
+    place. What the matching ``rlmix_sample`` wrapper needs afterwards goes in
+    ``run.plugin_resources(name)``.
+    """
+
+
 @hookspec(firstresult=True)
 def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch | None:
     """Turn prompts into a ``RolloutBatch`` of ``len(prompts) * train.group_size`` samples.

@@ -155,7 +155,7 @@ def score(run: Run, batch: RolloutBatch) -> None:
 
 def _scorers(run: Run) -> list[Any]:
     """The ``rlmix_score`` implementations in manifest order (wrappers are never called)."""
-    return [impl for impl in run.pm.hook.rlmix_score.get_hookimpls()
+    return [impl for impl in manifest_order(run.pm.hook.rlmix_score.get_hookimpls())
             if not (impl.wrapper or impl.hookwrapper)]
 
 

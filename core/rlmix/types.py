@@ -287,10 +287,23 @@ class Run:
         (``prompts`` is then ignored)."""
         if self.async_sampler is not None:
             return self.async_sampler.take(self)[1]
+        prompts = self.select_prompts(prompts)
         batch = self.hook.rlmix_sample(run=self, prompts=prompts)
         if batch is None:
             raise RuntimeError("no plugin returned a batch from rlmix_sample")
         return batch
+
+    def select_prompts(self, prompts: list[Prompt]) -> list[Prompt]:
+        """``rlmix_select_prompts`` of every plugin, in manifest order, each on the previous
+        one's list (``None`` keeps it); the caller's list is never changed."""
+        from rlmix.loop import manifest_order
+
+        impls = getattr(self.hook, "rlmix_select_prompts", None)
+        for impl in manifest_order(impls.get_hookimpls() if impls is not None else []):
+            chosen = impl.function(run=self, prompts=list(prompts))
+            if chosen is not None:
+                prompts = list(chosen)
+        return prompts
 
     def generate(self, prompts: list[Prompt], *, n: int = 1, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0,
