@@ -5,9 +5,10 @@ rejection of the rollouts that carry no group-relative signal.
 It runs in ``rlmix_select_prompts`` and an ``rlmix_sample`` wrapper (see README, "Our
 reading"):
 
-1. before the owner samples (``rlmix_select_prompts``, which returns a new list): draw a candidate pool (the step's prompts plus extra prompts from
-   ``rlmix_prompts`` under negative keys), rank it by the posterior probability that a group of
-   ``train.group_size`` rollouts comes out all-same, and hand the owner the best ``slots``;
+1. before the owner samples (``rlmix_select_prompts``, which returns a new list): draw a
+   candidate pool (the step's prompts plus extra prompts from ``rlmix_prompts`` under negative
+   keys), rank it by the posterior probability that a group of ``train.group_size`` rollouts comes
+   out all-same, and hand the owner the best ``slots``;
 2. after: score the owner's batch, then spend the rest of the step's budget
    (``prompts_per_step * group_size`` rollouts in all) on rescuing all-same groups in chunks, or
    on new prompts from the pool, through ``rlmix_generate``;
