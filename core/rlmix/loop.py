@@ -141,10 +141,10 @@ def score(run: Run, batch: RolloutBatch) -> None:
     total = torch.zeros(n)
     # called one by one (manifest order) so each term can be prefixed with its plugin's name;
     # rlmix_score is an all-hook, so there is no owner for a wrapper to wrap
+    terms: dict[str, torch.Tensor] = {}
     for impl in _scorers(run):
-        _score_with(run, batch, impl)
-    terms = batch.reward_terms
-    for name, value in terms.items():
+        terms.update(_score_with(run, batch, impl))
+    for name, value in terms.items():  # summed in manifest order, whoever scored first
         total = total + float(weights.get(name, 1.0)) * value
     unknown = set(weights) - set(terms)
     if unknown and run.step == 0:

@@ -281,7 +281,8 @@ class Run:
 
     def sample(self, prompts: list[Prompt]) -> RolloutBatch:
         """Sampling behind one call, the seam of asynchronous sampling. Synchronously, the
-        ``rlmix_sample`` owner (with its wrappers) samples ``prompts``. With an async sampler
+        ``rlmix_sample`` owner (with its wrappers) samples ``prompts`` as
+        ``rlmix_select_prompts`` chose them. With an async sampler
         attached (``train.max_staleness > 0``), the batch of step ``self.step`` that the
         background worker sampled from the prompts it got from ``rlmix_prompts`` itself
         (``prompts`` is then ignored)."""
