@@ -107,7 +107,9 @@ class AsyncSampler:
         self._error_step = -1
         self._thread: threading.Thread | None = None
         policy = copy.copy(run.policy)
-        policy.model = frozen_copy(run.policy.model)
+        # the copy taken before rlmix_prepare_model (from the full model), when the loop took one
+        early = run.resources.pop(EARLY_COPY, None)
+        policy.model = early if early is not None else frozen_copy(run.policy.model)
         policy.tokenizer = copy.deepcopy(run.policy.tokenizer)
         self.policy = policy
         self.version = run.policy_version
@@ -259,6 +261,17 @@ class AsyncSampler:
             with self._cond:
                 self._error, self._error_step = exc, step
                 self._cond.notify_all()
+
+
+EARLY_COPY = "rlmix.async_sampling.model_copy"  # core-internal resources key
+
+
+def take_model_copy(run: Run) -> None:
+    """Copy the policy's model for the worker now, before a trainer plugin wraps or partitions
+    it in ``rlmix_prepare_model`` (a ZeRO-3 model's parameters are empty shards); the sampler
+    built by ``start`` uses this copy."""
+    assert run.policy is not None
+    run.resources[EARLY_COPY] = frozen_copy(run.policy.model)
 
 
 def start(run: Run, max_staleness: int | None = None) -> AsyncSampler:

@@ -220,6 +220,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                              "(no meta.json)")
         checkpoint.restore(run, folder)
         source = str(folder)
+    loop.prepare_model(run)  # as build_run: the trainer wraps the restored, full model
     metrics = loop.evaluate(run)
     print(json.dumps({"checkpoint": source, "step": run.step, **metrics}))
     return 0

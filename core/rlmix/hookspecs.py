@@ -73,10 +73,33 @@ def rlmix_configure(run: Run) -> None:
     """Read this plugin's settings, check them, allocate what it needs.
 
     Called once per run, after the model is loaded and before the first step, for every loaded
-    plugin. Read your settings with ``run.settings("<your entry-point name>")``: they are already
-    validated against your ``Settings`` dataclass. Raise ``rlmix.ConfigError`` (or any exception)
-    to stop the run; the CLI reports it with your plugin's name. State that must survive a
-    checkpoint goes in ``run.state["<your name>"]`` (anything ``torch.save`` can pickle).
+    plugin, in manifest order (the order of ``plugins:``); implementations marked ``tryfirst``
+    come before the others and ``trylast`` ones (the core's defaults, and plugins such as
+    ``sequential_gate`` that wrap what others published) after them. A plugin listed later can
+    therefore rely on what an earlier one set up. The model is still the full, unwrapped model
+    here: take reference copies (``rlmix.policy.frozen_copy``) now. Wrapping or partitioning
+    the model (a trainer's engine, ZeRO-3) belongs in ``rlmix_prepare_model``, which runs after
+    every ``rlmix_configure`` and, on ``--resume``, after the checkpoint's weights are
+    restored. Read your settings with ``run.settings("<your entry-point name>")``: they are
+    already validated against your ``Settings`` dataclass. Raise ``rlmix.ConfigError`` (or any
+    exception) to stop the run; the CLI reports it with your plugin's name. State that must
+    survive a checkpoint goes in ``run.plugin_state("<your name>")`` (a dict in ``run.state``;
+    anything ``torch.save`` can pickle); objects that must not be pickled in
+    ``run.plugin_resources("<your name>")``.
+    """
+
+
+@hookspec
+def rlmix_prepare_model(run: Run) -> None:
+    """Wrap, move or partition the model: a trainer plugin's phase (``deepspeed``).
+
+    Called once per run, in manifest order, after every plugin's ``rlmix_configure`` and, when
+    the run resumes, after the core restored the checkpoint (weights, optimizer, ``run.state``,
+    step), so the model is whole and at its checkpointed weights when it is wrapped. Reference
+    copies taken in ``rlmix_configure`` and the asynchronous sampler's copy (taken before this
+    phase too) are copies of the full model, never of partitioned parameters. Set
+    ``run.policy.model`` to the module the rollout engine should run (``engine.module``). Most
+    plugins do not implement this.
     """
 
 
@@ -87,6 +110,22 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt] | None:
     Implemented by env plugins. Build prompt texts from ``run.harness`` components (``system``,
     ``instructions``, ...) so harness-evolution plugins can change them. Must be deterministic
     given ``run.rng`` / ``step`` so that a resumed run sees the same prompts.
+    """
+
+
+@hookspec
+def rlmix_select_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt] | None:
+    """Choose the prompts a training step samples: return a new list, or ``None`` to keep them.
+
+    Called once per training batch by ``Run.sample`` (so also in the async sampler's worker),
+    just before ``rlmix_sample``, never by evaluation, harness scoring or a wrapper's extra
+    rounds. Every implementation is called, in manifest order (``tryfirst`` ones first), each
+    with the previous one's list. For rollout-allocation plugins that pick which prompts the
+    ``rlmix_sample`` owner generates for (``aero``, ``dots``): a pluggy wrapper on
+    ``rlmix_sample`` cannot pass new arguments to the owner, and mutating the caller's list
+    (``prompts[:] = ...``) changed it under every other plugin. Never change ``prompts`` in
+    place. What the matching ``rlmix_sample`` wrapper needs afterwards goes in
+    ``run.plugin_resources(name)``.
     """
 
 

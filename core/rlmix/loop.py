@@ -66,11 +66,21 @@ def load_policy(run: Run) -> None:
                         gradient_checkpointing=bool(pol.gradient_checkpointing))
 
 
+def manifest_order(impls: list[Any]) -> list[Any]:
+    """Hook implementations in the order a phase runs them: ``tryfirst`` ones, then the rest,
+    then ``trylast`` ones (the core's defaults, and plugins that must see the others' work),
+    each group in registration order, which is manifest order. (``get_hookimpls`` lists them
+    in pluggy's storage order, trylast first.)"""
+    first = [i for i in impls if i.tryfirst]
+    last = [i for i in impls if i.trylast and not i.tryfirst]
+    return first + [i for i in impls if not (i.tryfirst or i.trylast)] + last
+
+
 def configure(run: Run) -> None:
     """Each plugin's ``rlmix_configure``, in call order. A failure becomes one error naming
     the plugin and hook it escaped (the innermost, when one plugin's configure calls another
     plugin's hook), a ``ManifestError`` when it was one (a plugin's ConfigError)."""
-    for impl in reversed(run.pm.hook.rlmix_configure.get_hookimpls()):
+    for impl in manifest_order(run.pm.hook.rlmix_configure.get_hookimpls()):
         try:
             impl.function(run=run)
         except Exception as exc:
@@ -107,6 +117,7 @@ def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         else:
             checkpoint.restore(run, last)
             observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
+    prepare_model(run)
     return run
 
 
@@ -141,33 +152,90 @@ def _claim_folder(run: Run, resume: bool, overwrite: bool, allow_changes: bool) 
                             f"another out=")
 
 
+def prepare_model(run: Run) -> None:
+    """The phase after every ``rlmix_configure`` (and a resume's restore): the async sampler's
+    weight copy is taken from the full model, then ``rlmix_prepare_model`` lets a trainer
+    plugin wrap or partition it (manifest order)."""
+    if int(run.config.train.max_staleness) > 0 and run.policy is not None:
+        async_sampling.take_model_copy(run)
+    for impl in manifest_order(run.pm.hook.rlmix_prepare_model.get_hookimpls()):
+        try:
+            impl.function(run=run)
+        except (ManifestError, PluginError):
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin '{impl.plugin_name}' failed to prepare the model: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+
 def score(run: Run, batch: RolloutBatch) -> None:
-    """Collect every scorer's terms, weight them by the manifest, sum into ``batch.rewards``."""
+    """Collect every scorer's terms, weight them by the manifest, sum into ``batch.rewards``.
+
+    Each sample is scored once: a scorer whose terms are already in ``batch.reward_terms`` (a
+    sample wrapper scored this candidate batch and handed it on, a scorer read another's term
+    through ``scorer_terms``) is not called again, and each scorer's terms are written to
+    ``batch.reward_terms`` as it returns, so a later scorer can read an earlier one's."""
     weights = _flatten(OmegaConf.to_container(run.config.score.weights) or {})
     n = len(batch)
     total = torch.zeros(n)
-    terms: dict[str, torch.Tensor] = {}
     # called one by one (manifest order) so each term can be prefixed with its plugin's name;
     # rlmix_score is an all-hook, so there is no owner for a wrapper to wrap
-    for impl in run.pm.hook.rlmix_score.get_hookimpls():
-        if impl.wrapper or impl.hookwrapper:
-            continue
-        result = impl.function(run=run, batch=batch)
-        if not result:
-            continue
-        for term, value in result.items():
-            name = f"{impl.plugin_name}.{term}"
-            value = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
-            if value.shape[0] != n:
-                raise RuntimeError(f"plugin '{impl.plugin_name}' returned reward term '{term}' "
-                                   f"with {value.shape[0]} values for {n} samples")
-            terms[name] = value
-            weight = float(weights.get(name, 1.0))
-            if weight != 0:  # a weight of 0 turns a term off, NaN or not (0 x NaN is NaN)
-                total = total + weight * value
+    terms: dict[str, torch.Tensor] = {}
+    for impl in _scorers(run):
+        terms.update(_score_with(run, batch, impl))
+    for name, value in terms.items():  # summed in manifest order, whoever scored first
+        weight = float(weights.get(name, 1.0))
+        if weight != 0:  # a weight of 0 turns a term off, NaN or not (0 x NaN is NaN)
+            total = total + weight * value
     _check_weighted_terms(run, weights, terms)
-    batch.reward_terms = terms
     batch.rewards = total
+
+
+def _scorers(run: Run) -> list[Any]:
+    """The ``rlmix_score`` implementations in manifest order (wrappers are never called)."""
+    return [impl for impl in manifest_order(run.pm.hook.rlmix_score.get_hookimpls())
+            if not (impl.wrapper or impl.hookwrapper)]
+
+
+def _term_owner(term: str, plugin_names: list[str]) -> str:
+    """The plugin a prefixed term belongs to: the longest plugin name that prefixes it (plugin
+    names may contain dots: ``dapo.dynamic_sampling.x`` is not a term of ``dapo``)."""
+    owners = [p for p in plugin_names if term.startswith(p + ".")]
+    return max(owners, key=len) if owners else term.rpartition(".")[0]
+
+
+def _score_with(run: Run, batch: RolloutBatch, impl: Any) -> dict[str, torch.Tensor]:
+    """Plugin ``impl``'s prefixed terms for ``batch``: the ones already present, or, when it
+    has none there yet, what it returns now (written to ``batch.reward_terms``)."""
+    plugin = impl.plugin_name
+    names = [i.plugin_name for i in _scorers(run)]
+    present = {k: v for k, v in batch.reward_terms.items() if _term_owner(k, names) == plugin}
+    if present:
+        return present
+    result = impl.function(run=run, batch=batch)
+    n = len(batch)
+    out: dict[str, torch.Tensor] = {}
+    for term, value in (result or {}).items():
+        name = f"{plugin}.{term}"
+        value = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        if value.shape[0] != n:
+            raise RuntimeError(f"plugin '{plugin}' returned reward term '{term}' "
+                               f"with {value.shape[0]} values for {n} samples")
+        out[name] = value
+    batch.reward_terms.update(out)
+    return out
+
+
+def scorer_terms(run: Run, batch: RolloutBatch, plugin: str) -> dict[str, torch.Tensor]:
+    """The terms scorer ``plugin`` gives ``batch`` (prefixed, ``{"arith.correct": ...}``),
+    scored now only if ``batch.reward_terms`` has none of them yet; what is scored here is kept
+    in ``batch.reward_terms``, so ``score`` does not call that scorer again. For a scorer that
+    needs another's term (``step_grpo`` reads ``arith.correct``). ``{}`` if ``plugin`` is not
+    a loaded scorer or returned nothing."""
+    for impl in _scorers(run):
+        if impl.plugin_name == plugin:
+            return _score_with(run, batch, impl)
+    return {}
 
 
 def _check_weighted_terms(run: Run, weights: dict[str, float],
@@ -279,7 +347,9 @@ def train_step(run: Run) -> dict[str, Any]:
         raise RuntimeError("no plugin returned advantages from rlmix_advantage")
     batch.advantages = advantages
     run.policy.model.train()
-    losses, update_stats, loss_metrics = [], {}, {}
+    # the loss metric: the mean over optimizer updates of each update's loss (the sum of its
+    # accumulation chunks, each already divided by the whole update's normalisers)
+    losses, update_loss, update_stats, loss_metrics = [], 0.0, {}, {}
     for mb in ([] if no_update else run.minibatches(batch)):
         logp, entropy = run.policy.logprobs(run, mb.batch)
         terms = hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
@@ -291,7 +361,10 @@ def train_step(run: Run) -> dict[str, Any]:
         terms.value, terms.minibatch = value, mb
         with async_sampling.weights_guard(run):  # the async worker never copies mid-update
             update_stats.update(hook.rlmix_update(run=run, loss=terms) or {})
-        losses.append(float(value.detach()))
+        update_loss += float(value.detach())
+        if mb.last:
+            losses.append(update_loss)
+            update_loss = 0.0
         for k, v in terms.metrics.items():
             loss_metrics.setdefault(k, []).append(float(v))
     t_train = time.perf_counter()
@@ -311,7 +384,7 @@ def train_step(run: Run) -> dict[str, Any]:
         **{f"reward/{k}": _finite_mean(v) for k, v in batch.reward_terms.items()},
         **({"reward/nonfinite": float(sum(bad.values())), "update/skipped": 1.0} if bad
            else {}),
-        "loss": sum(losses),
+        "loss": sum(losses) / len(losses) if losses else 0.0,
         "policy_version": run.policy_version,
         "harness_version": run.harness_version,
         "response_length/mean": float(comp.sum(-1).float().mean()),

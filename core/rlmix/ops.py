@@ -101,14 +101,51 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGP_CHOICES = ("auto", "behavior", "detached")
 
 
+def clip_ratio(ratio: torch.Tensor, advantages: torch.Tensor, lower: float | torch.Tensor,
+               upper: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PPO clip of a given ratio: per-token ``-min(r A, clip(r, lower, upper) A)``, and where
+    the clipped branch was taken. ``lower``/``upper`` are numbers or tensors broadcastable to
+    ``ratio`` (per-token or per-row bounds, as SAT's); ``ratio`` may be a token ratio
+    ``exp(logp - old_logp)`` or a sequence ratio carried on every token
+    (``sequence_token_ratio``)."""
+    if isinstance(lower, torch.Tensor) != isinstance(upper, torch.Tensor):
+        # torch.clamp takes two numbers or two tensors
+        lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device)
+        upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, lower, upper) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` with
     ``r = exp(logp - old_logp)``; also returns where the clipped branch was taken."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    return clip_ratio(torch.exp(logp - old_logp), advantages, 1.0 - eps_low, 1.0 + eps_high)
+
+
+#: a sequence ratio's log is capped here before exp (as verl does), so a far off-policy sample
+#: cannot overflow; beyond the cap the token carries no gradient
+LOG_RATIO_CAP = 10.0
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """``log s_i = (1/|y_i|) sum_t (logp - old_logp)`` over the masked tokens, ``[N]`` (GSPO's
+    length-normalised sequence ratio); 0 for a row with no tokens (its ratio is 1)."""
+    mask = mask.to(logp.dtype)
+    diff = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
+    return (diff * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def sequence_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float = LOG_RATIO_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token's ratio ``s_it = sg(s_i) * pi_t / sg(pi_t)``, ``[N, T]``: the value of the
+    sequence ratio ``s_i`` on every token of row ``i`` (so a clip decision is the sequence's)
+    with the gradient ``s_i * grad logp_t``; the log is capped at ``cap`` before exp. Also
+    returns ``log s_i`` (detached), ``[N]``."""
+    seq = sequence_log_ratio(logp, old_logp, mask).detach()
+    return torch.exp((seq[:, None] + logp - logp.detach()).clamp(max=cap)), seq
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

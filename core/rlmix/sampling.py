@@ -6,6 +6,7 @@ kept in ``run.state`` (so claims "at equal rollout budget" can be checked)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -134,3 +135,96 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_p: float,
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+# ---------------------------------------------------------------- a KV-cached sampling loop
+# shared by rollout engines and plugins that sample from the policy (hf, speculative, agent_prm)
+
+
+def encode_prompts(run: Run, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' chat texts, tokenised as one left-padded batch: ``(ids, attention_mask)``."""
+    assert run.policy is not None
+    tok = run.policy.tokenizer
+    texts = [run.policy.chat_text(p.messages) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@torch.no_grad()
+def sample_tokens(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,
+                  max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                  eos_ids: list[int], pad_id: int, generator: torch.Generator | None = None,
+                  autocast: Any = None,
+                  stop_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample ``n`` completions per prompt row. Returns ``(completion [P*n, L],
+    completion_mask [P*n, L], logp [P*n, L])``; rows are prompt-major. ``temperature == 0``
+    is greedy (``logp`` then is the log-prob under the unscaled distribution). ``stop_fn(token,
+    live)``, called after every step with the step's tokens ``[P*n]`` and the rows that were
+    still generating, returns the rows to stop besides EOS (the token that stops them is kept,
+    as an EOS is)."""
+    import contextlib
+
+    ctx = autocast if autocast is not None else contextlib.nullcontext()
+    device = input_ids.device
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with ctx:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                    use_cache=True)
+    from rlmix.policy import cache_argument
+
+    cache_arg = cache_argument(model)
+    cache = _cache_of(out)
+    logits = out.logits[:, -1, :]
+    if n > 1:  # one prefill per distinct prompt, then the cache is shared by the group
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, 0)
+        attention_mask = attention_mask.repeat_interleave(n, 0)
+        positions = positions.repeat_interleave(n, 0)
+    rows = logits.shape[0]
+    next_pos = positions[:, -1:] + 1
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    eos = torch.tensor(eos_ids, device=device)
+    tokens, logps, masks = [], [], []
+    for _ in range(max_new_tokens):
+        if temperature > 0:
+            choice, logp = draw_tokens(filter_logits(logits, temperature, top_p, top_k),
+                                       generator)
+        else:
+            logprobs = torch.log_softmax(logits.float(), -1)
+            choice = logprobs.argmax(-1)
+            logp = logprobs.gather(-1, choice[:, None]).squeeze(-1)
+        live = ~done
+        tok = torch.where(live, choice, torch.full_like(choice, pad_id))
+        tokens.append(tok)
+        logps.append(torch.where(live, logp, torch.zeros_like(logp)))
+        masks.append(live.float())
+        done = done | torch.isin(choice, eos)
+        if stop_fn is not None:
+            done = done | (live & stop_fn(tok, live))
+        if bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, live[:, None].to(attention_mask.dtype)], 1)
+        with ctx:
+            out = model(input_ids=tok[:, None], attention_mask=attention_mask,
+                        position_ids=next_pos, use_cache=True, **{cache_arg: cache})
+        cache = _cache_of(out)
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return torch.stack(tokens, 1), torch.stack(masks, 1), torch.stack(logps, 1)
+
+
+def stop_token_ids(policy: Any) -> list[int]:
+    """The tokenizer's EOS plus any the model's generation config names."""
+    ids = {policy.tokenizer.eos_token_id}
+    configured = getattr(policy.model.generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    return sorted(i for i in ids if i is not None)

@@ -259,6 +259,17 @@ class Run:
             self.pending_metrics.pop(k, None)
         return out
 
+    def plugin_state(self, name: str) -> dict[str, Any]:
+        """Plugin ``name``'s checkpointed state: the dict ``run.state[name]`` (made on first
+        use). Keyed by the plugin's entry-point name, so plugins never collide on free strings;
+        what it holds must pickle with ``torch.save``."""
+        return self.state.setdefault(str(name), {})
+
+    def plugin_resources(self, name: str) -> dict[str, Any]:
+        """Plugin ``name``'s objects that are not checkpointed (a reference model, a thread
+        pool, a published service): the dict ``run.resources[name]`` (made on first use)."""
+        return self.resources.setdefault(str(name), {})
+
     def settings(self, name: str) -> Any:
         """The validated settings dataclass of plugin ``name`` (its manifest block)."""
         try:
@@ -270,16 +281,30 @@ class Run:
 
     def sample(self, prompts: list[Prompt]) -> RolloutBatch:
         """Sampling behind one call, the seam of asynchronous sampling. Synchronously, the
-        ``rlmix_sample`` owner (with its wrappers) samples ``prompts``. With an async sampler
+        ``rlmix_sample`` owner (with its wrappers) samples ``prompts`` as
+        ``rlmix_select_prompts`` chose them. With an async sampler
         attached (``train.max_staleness > 0``), the batch of step ``self.step`` that the
         background worker sampled from the prompts it got from ``rlmix_prompts`` itself
         (``prompts`` is then ignored)."""
         if self.async_sampler is not None:
             return self.async_sampler.take(self)[1]
+        prompts = self.select_prompts(prompts)
         batch = self.hook.rlmix_sample(run=self, prompts=prompts)
         if batch is None:
             raise RuntimeError("no plugin returned a batch from rlmix_sample")
         return batch
+
+    def select_prompts(self, prompts: list[Prompt]) -> list[Prompt]:
+        """``rlmix_select_prompts`` of every plugin, in manifest order, each on the previous
+        one's list (``None`` keeps it); the caller's list is never changed."""
+        from rlmix.loop import manifest_order
+
+        impls = getattr(self.hook, "rlmix_select_prompts", None)
+        for impl in manifest_order(impls.get_hookimpls() if impls is not None else []):
+            chosen = impl.function(run=self, prompts=list(prompts))
+            if chosen is not None:
+                prompts = list(chosen)
+        return prompts
 
     def generate(self, prompts: list[Prompt], *, n: int = 1, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0,

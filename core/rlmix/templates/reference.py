@@ -242,10 +242,11 @@ def plugin_section(info: Any) -> list[str]:
 
 
 #: the order hooks are called in one training step (DESIGN §2), then the rest
-HOOK_ORDER = ("rlmix_configure", "rlmix_prompts", "rlmix_sample", "rlmix_generate",
-              "rlmix_episode", "rlmix_score", "rlmix_advantage", "rlmix_token_logprobs",
-              "rlmix_clip", "rlmix_update", "rlmix_evolve", "rlmix_evaluate", "rlmix_step_end",
-              "rlmix_run_end")
+HOOK_ORDER = ("rlmix_configure", "rlmix_prepare_model", "rlmix_prompts",
+              "rlmix_select_prompts", "rlmix_sample",
+              "rlmix_generate", "rlmix_episode", "rlmix_score", "rlmix_advantage",
+              "rlmix_token_logprobs", "rlmix_clip", "rlmix_update", "rlmix_evolve",
+              "rlmix_evaluate", "rlmix_step_end", "rlmix_run_end")
 
 
 def hooks_markdown() -> str:
@@ -297,8 +298,10 @@ def hooks_markdown() -> str:
 
 
 _WHEN = {
-    "rlmix_configure": "once, after the model loads",
+    "rlmix_configure": "once, after the model loads (manifest order)",
+    "rlmix_prepare_model": "once, after every `rlmix_configure` (and a resume's restore)",
     "rlmix_prompts": "each step, first",
+    "rlmix_select_prompts": "each step, via `Run.sample`, before `rlmix_sample`",
     "rlmix_sample": "each step, via `Run.sample`",
     "rlmix_generate": "by the default `rlmix_sample`, evaluation, `Run.generate`",
     "rlmix_episode": "by multi-turn rollout engines (`hf`), once per sample before generating",

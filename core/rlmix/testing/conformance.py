@@ -198,6 +198,7 @@ class Subject:
             loop.load_policy(run)
         if configure:
             loop.configure(run)
+            loop.prepare_model(run)  # as build_run: a trainer plugin wraps the model here
         return run
 
     def shared(self) -> Run:

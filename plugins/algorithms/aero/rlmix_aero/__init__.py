@@ -2,11 +2,13 @@
 rate, prompt screening and adaptive rollout allocation at a fixed rollout budget, and selective
 rejection of the rollouts that carry no group-relative signal.
 
-Everything happens in an ``rlmix_sample`` wrapper (see README, "Our reading"):
+It runs in ``rlmix_select_prompts`` and an ``rlmix_sample`` wrapper (see README, "Our
+reading"):
 
-1. before the owner samples: draw a candidate pool (the step's prompts plus extra prompts from
-   ``rlmix_prompts`` under negative keys), rank it by the posterior probability that a group of
-   ``train.group_size`` rollouts comes out all-same, and hand the owner the best ``slots``;
+1. before the owner samples (``rlmix_select_prompts``, which returns a new list): draw a
+   candidate pool (the step's prompts plus extra prompts from ``rlmix_prompts`` under negative
+   keys), rank it by the posterior probability that a group of ``train.group_size`` rollouts comes
+   out all-same, and hand the owner the best ``slots``;
 2. after: score the owner's batch, then spend the rest of the step's budget
    (``prompts_per_step * group_size`` rollouts in all) on rescuing all-same groups in chunks, or
    on new prompts from the pool, through ``rlmix_generate``;
@@ -238,8 +240,11 @@ def _score(run: Run, batch: RolloutBatch, threshold: float) -> torch.Tensor:
     return batch.rewards > threshold
 
 
-@rlmix.hookimpl(wrapper=True)
-def rlmix_sample(run: Run, prompts: list[Prompt]):
+@rlmix.hookimpl
+def rlmix_select_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt]:
+    """Before the owner samples: the prompts it generates for, chosen from a candidate pool by
+    their posteriors (a new list; the caller's is left alone). What the wrapper needs after the
+    owner's batch is kept in ``run.plugin_resources("aero")["selection"]``."""
     s: Settings = run.settings(NAME)
     state = _state(run)
     group_size = int(run.config.train.group_size)
@@ -260,9 +265,28 @@ def rlmix_sample(run: Run, prompts: list[Prompt]):
     held_back = math.ceil(s.rescue_fraction * budget / group_size) if len(prompts) > 1 else 0
     slots = max(1, len(prompts) - held_back)
     chosen = select_prompts([_posterior(state, k, s) for k in keys], slots, group_size)
-    prompts[:] = [pool[i] for i in chosen]  # the owner samples these (the caller's list)
+    selected = [pool[i] for i in chosen]  # the owner samples these
+    run.plugin_resources(NAME)["selection"] = {
+        "step": run.step, "prompts": selected, "budget": budget, "keys": keys, "pool": pool,
+        "chosen": chosen}
+    return selected
 
+
+@rlmix.hookimpl(wrapper=True)
+def rlmix_sample(run: Run, prompts: list[Prompt]):
     owner = yield
+    selection = run.plugin_resources(NAME).pop("selection", None)
+    if selection is None or selection["step"] != run.step:
+        # not a batch aero selected (a wrapper's extra round samples other prompts): as is
+        return owner
+    if [id(p) for p in selection["prompts"]] != [id(p) for p in prompts]:
+        raise RuntimeError(f"plugin '{NAME}': the owner sampled other prompts than it "
+                           "selected: a wrapper outside it changed them (deepspeed's "
+                           "per-rank share does), which it does not support")
+    s: Settings = run.settings(NAME)
+    state = _state(run)
+    group_size = int(run.config.train.group_size)
+    budget, keys, pool, chosen = (selection[k] for k in ("budget", "keys", "pool", "chosen"))
 
     parts = [owner]
     row_keys = [prompt_key(p, s.key) for p in (owner.prompts or
@@ -343,7 +367,7 @@ def rlmix_sample(run: Run, prompts: list[Prompt]):
     state["rollouts"] += generated
     state["groups"] += len(dead)
     state["dead_groups"] += int(dead.sum())
-    run.resources["aero.stats"] = {
+    stats = {
         "aero/rollouts": float(generated),
         "aero/owner_rollouts": float(owner_rollouts),
         "aero/rescue_rollouts": float(rescued),
@@ -353,13 +377,9 @@ def rlmix_sample(run: Run, prompts: list[Prompt]):
         "aero/wasted_fraction": wasted / max(generated, 1),
         "aero/dropped_samples": float(generated - len(batch)),
         "aero/prompts_tracked": float(len(state["posterior"])),
-        "aero/selected": [keys[i] for i in chosen],
     }
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
+    # which prompts this step chose (not a metric; tests and debugging read it)
+    run.plugin_resources(NAME)["selected"] = [keys[i] for i in chosen]
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    stats = run.resources.pop("aero.stats", None)
-    if stats:
-        metrics.update({k: v for k, v in stats.items() if isinstance(v, float)})

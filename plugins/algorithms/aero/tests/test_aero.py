@@ -259,7 +259,7 @@ def test_drop_dead_removes_all_same_groups_but_never_empties_the_batch():
     for step in range(6):
         run.step = step
         batch = run.sample(run.hook.rlmix_prompts(run=run, step=step))
-        stats = run.resources["aero.stats"]
+        stats = run.pending_metrics  # what aero logged for the step
         assert stats["aero/rollouts"] == 32
         wasted = round(stats["aero/wasted_fraction"] * 32)
         if stats["aero/dead_groups"] < stats["aero/groups"]:
@@ -305,15 +305,14 @@ def test_prune_k_downsamples_failures_of_low_success_groups():
         if 0 < c:
             assert n - c <= max(1, c)  # at most ceil(1 * c) failures kept
     assert rows < 32
-    assert run.resources["aero.stats"]["aero/dropped_samples"] == 32 - rows
+    assert run.pending_metrics["aero/dropped_samples"] == 32 - rows
 
 
-def test_step_end_reports_the_step_and_the_settings_are_checked():
+def test_the_step_logs_its_metrics_and_the_settings_are_checked():
     env = SyntheticEnv(RATES, seed=0)
     run = _run(env)
     _steps(run, env, 1)
-    metrics: dict = {}
-    rlmix_aero.rlmix_step_end(run, metrics)  # (the whole hook would also run the checkpointer)
+    metrics = run.drain_metrics()  # what the loop writes with the step's line
     assert metrics["aero/rollouts"] == 32.0
     assert metrics["aero/owner_rollouts"] == 24.0  # a quarter of the budget held back
     assert (metrics["aero/rescue_rollouts"] + metrics["aero/new_prompt_rollouts"]
@@ -357,7 +356,7 @@ def test_posteriors_survive_a_checkpoint_and_the_restored_run_decides_the_same(t
     saved = {k: tuple(v) for k, v in run.state["aero"]["posterior"].items()}
     folder = checkpoint.save(run)
     _steps(run, env, 1, start=7)
-    chosen = run.resources["aero.stats"]["aero/selected"]
+    chosen = run.plugin_resources("aero")["selected"]
 
     fresh = _run(SyntheticEnv(RATES, seed=99), with_policy=True)
     fresh.out_dir = tmp_path
@@ -366,7 +365,7 @@ def test_posteriors_survive_a_checkpoint_and_the_restored_run_decides_the_same(t
     assert {k: tuple(v) for k, v in fresh.state["aero"]["posterior"].items()} == saved
     assert fresh.state["aero"]["steps"] == 7
     _steps(fresh, fresh.pm.get_plugin("env"), 1, start=7)
-    assert fresh.resources["aero.stats"]["aero/selected"] == chosen
+    assert fresh.plugin_resources("aero")["selected"] == chosen
 
 
 # ---------------------------------------------------------------- the claim

@@ -11,8 +11,8 @@ them, and its score as a reward term.
   ``aggregate`` (mean, min or last).
 
 Continuations need an engine that can resume a partial completion. By default the plugin samples
-them from ``run.policy`` with the hf engine's sampler (``rlmix_hf.sample_tokens``); an env or
-engine can put its own function in ``run.resources["agent_prm.continue"]``:
+them from ``run.policy`` with the core's sampling loop (``rlmix.sampling.sample_tokens``); an env or
+engine can put its own function in ``run.plugin_resources("agent_prm")["continue"]``:
 ``fn(run, prompt, prefix_text, n) -> list[str]`` (the continuation texts).
 """
 
@@ -130,12 +130,12 @@ def _state(run: Run, dim: int) -> dict[str, Any]:
 
 def _policy_continue(run: Run, prompt: Prompt, prefix: str, n: int) -> list[str]:
     """``n`` continuations of ``prefix`` sampled from the policy (the hf engine's sampler)."""
-    from rlmix_hf import sample_tokens, stop_token_ids
+    from rlmix.sampling import sample_tokens, stop_token_ids
 
     policy = run.policy
     if policy is None:
         raise RuntimeError("agent_prm: no policy to continue prefixes with; put a function in "
-                           "run.resources['agent_prm.continue']")
+                           "run.plugin_resources('agent_prm')['continue']")
     tok = policy.tokenizer
     enc = tok([policy.chat_text(prompt.messages) + prefix], return_tensors="pt",
               add_special_tokens=False)
@@ -185,7 +185,7 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     s: Settings = run.settings(NAME)
     state = _state(run, s.feature_dim)
     state["rollouts"] += len(batch)
-    cont: Callable[..., list[str]] = run.resources.get(f"{NAME}.continue", _policy_continue)
+    cont: Callable[..., list[str]] = run.plugin_resources(NAME).get("continue", _policy_continue)
     rows = []  # the first row of each group, then the next ones, up to mc_rows
     for i in sorted(range(len(batch)), key=lambda i: (sum(
             1 for j in range(i) if batch.group[j] == batch.group[i]), i)):
@@ -208,10 +208,12 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
                                 torch.tensor(targets), s.head_lr, s.head_epochs)
     state["mc_rollouts"] += spent
     state["targets"] += len(targets)
-    run.resources[f"{NAME}.last_targets"] = list(zip(steps, targets))
-    run.resources[f"{NAME}.stats"] = {
+    run.plugin_resources(NAME)["last_targets"] = list(zip(steps, targets))
+    stats = {
         "agent_prm/mc_rollouts": float(spent), "agent_prm/targets": float(len(targets)),
         "agent_prm/target_mean": sum(targets) / len(targets) if targets else 0.0}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
 
 
@@ -225,8 +227,3 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         sc = head_scores(w, features(steps, s.feature_dim)) if steps else torch.zeros(0)
         out.append(aggregate_scores(sc, s.aggregate))
     return {"prm": torch.tensor(out)}
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -75,7 +75,7 @@ def _run(env, overrides=()):
     run = make_run({"env": env, "agent_prm": rlmix_agent_prm},
                    ["train.prompts_per_step=4", "train.group_size=4",
                     "score.weights.agent_prm.prm=0", *overrides])
-    run.resources["agent_prm.continue"] = env.continue_prefix
+    run.plugin_resources("agent_prm")["continue"] = env.continue_prefix
     return run
 
 
@@ -102,7 +102,7 @@ def test_wrapper_targets_match_the_exact_success_probabilities():
     run = _run(env, ["agent_prm.mc_rows=64", "agent_prm.mc_rollouts=64",
                      "agent_prm.head_epochs=0"])
     batch = run.sample(run.hook.rlmix_prompts(run=run, step=0))
-    pairs = run.resources["agent_prm.last_targets"]
+    pairs = run.plugin_resources("agent_prm")["last_targets"]
     assert len(pairs) == 16 * STEPS and run.state["agent_prm"]["mc_rollouts"] == 16 * 3 * 64
     # an exact check per row: after a bad step nothing succeeds; after k good steps 0.7^(3-k)
     k = 0
@@ -172,7 +172,7 @@ def test_default_continuations_come_from_the_policy_through_the_hf_sampler():
     with torch.no_grad():
         batch = run.sample(run.hook.rlmix_prompts(run=run, step=0))
     assert len(batch) == 4
-    pairs = run.resources["agent_prm.last_targets"]
+    pairs = run.plugin_resources("agent_prm")["last_targets"]
     prefixes = step_prefixes(batch.texts[0], "\n", 4)
     assert len(pairs) == len(prefixes) >= 1
     assert run.state["agent_prm"]["mc_rollouts"] == 2 * len(prefixes)

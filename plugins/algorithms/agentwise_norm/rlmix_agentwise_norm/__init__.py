@@ -77,12 +77,5 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     s: Settings = run.settings(NAME)
     assert batch.rewards is not None
     agents = agent_ids(batch.info, s.key)
-    run.resources[f"{NAME}.agents"] = int(agents.max()) + 1 if len(agents) else 0
+    run.log(f"{NAME}/agents", int(agents.max()) + 1 if len(agents) else 0)
     return agentwise_advantage(batch.rewards, batch.group, agents, s.scope, s.scale, s.eps)
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    agents = run.resources.pop(f"{NAME}.agents", None)
-    if agents is not None:
-        metrics[f"{NAME}/agents"] = float(agents)

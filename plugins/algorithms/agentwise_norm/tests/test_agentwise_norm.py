@@ -114,9 +114,7 @@ def test_hook_reads_the_agent_key_and_reports_the_agent_count():
                    ["agentwise_norm.key=role", "agentwise_norm.scale=false"])
     adv = run.hook.rlmix_advantage(run=run, batch=batch)
     torch.testing.assert_close(adv, torch.tensor([-1.0, -100.0, 1.0, 100.0]))
-    metrics: dict = {}
-    rlmix_agentwise_norm.rlmix_step_end(run, metrics)
-    assert metrics == {"agentwise_norm/agents": 2.0}
+    assert run.drain_metrics() == {"agentwise_norm/agents": 2.0}  # logged for the step
 
 
 @pytest.mark.parametrize("override", ["agentwise_norm.scope=global", "agentwise_norm.eps=-1",

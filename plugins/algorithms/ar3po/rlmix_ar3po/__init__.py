@@ -176,14 +176,11 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     state["reused"] += reused
     state["groups"] += len(flat)
     state["zero_adv_groups"] += int(flat.sum())
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "ar3po/rollouts": float(generated), "ar3po/reused": float(reused),
         "ar3po/stage_rollouts": float(stats["stage_rollouts"]),
         "ar3po/new_prompt_rollouts": float(stats["new_prompt_rollouts"]),
         "ar3po/groups": float(len(flat)), "ar3po/zero_adv_groups": float(flat.sum())}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -55,7 +55,7 @@ def test_new_prompts_take_the_savings_of_solved_prompts():
     run = _run(env)
     (generated, _, batch), = _steps(run, env, 1)
     assert generated == 32 and batch.num_groups == 8  # 4 step prompts + 4 new ones
-    assert run.resources["ar3po.stats"]["ar3po/new_prompt_rollouts"] == 16
+    assert run.pending_metrics["ar3po/new_prompt_rollouts"] == 16
 
 
 def test_cached_correct_response_joins_an_all_wrong_group():

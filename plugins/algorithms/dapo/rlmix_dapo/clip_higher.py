@@ -42,11 +42,8 @@ def decoupled_clip_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advanta
     Also returns where the clipped branch was taken at the lower bound (``r < 1 - eps_low``,
     ``A < 0``) and at the upper bound (``r > 1 + eps_high``, ``A > 0``)."""
     ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
-    taken = clipped < unclipped
-    return (-torch.minimum(unclipped, clipped), taken & (ratio < 1.0 - eps_low),
-            taken & (ratio > 1.0 + eps_high))
+    loss, taken = ops.clip_ratio(ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
+    return loss, taken & (ratio < 1.0 - eps_low), taken & (ratio > 1.0 + eps_high)
 
 
 @rlmix.hookimpl

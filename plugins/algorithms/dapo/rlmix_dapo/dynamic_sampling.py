@@ -133,7 +133,8 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     state = run.state.setdefault(NAME, {"total_dropped_groups": 0, "total_extra_rounds": 0})
     state["total_dropped_groups"] += counts["dropped_groups"]
     state["total_extra_rounds"] += counts["extra_rounds"]
-    state["last"] = dict(counts)
+    for key, value in counts.items():  # written with the step's metrics
+        run.log(f"dapo/{key}", float(value))
     if not kept:
         # nothing informative after every round: train on the first batch (its group-centred
         # advantages are all 0, so the policy gradient is 0), and say so in dapo/short_groups
@@ -141,10 +142,3 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     if len(kept) == 1 and counts["dropped_groups"] == 0 and kept[0].num_groups == first.num_groups:
         return first  # nothing dropped, nothing added
     return RolloutBatch.concat(kept, pad_token_id=_pad_id(run))
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    last = run.state.get(NAME, {}).pop("last", None)
-    if last is not None:
-        metrics.update({f"dapo/{k}": float(v) for k, v in last.items()})

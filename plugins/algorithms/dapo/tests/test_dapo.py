@@ -222,6 +222,7 @@ def test_overlong_hook_defaults_to_max_new_tokens_and_is_logged_as_a_term():
     run = make_run({"dapo.overlong": overlong}, ["dapo.overlong.max_length=8",
                                                  "dapo.overlong.cache_length=3",
                                                  "score.weights.dapo.overlong.penalty=0.5"])
+    batch.reward_terms = {}  # a scored batch keeps its terms (score once): score it afresh
     loop.score(run, batch)
     torch.testing.assert_close(batch.rewards, 0.5 * overlong_penalty(lengths, 8, 3))
 
@@ -340,8 +341,7 @@ def _sample(run, step=0):
     run.step = step
     prompts = run.hook.rlmix_prompts(run=run, step=step)
     batch = run.sample(prompts)
-    metrics = {}
-    dynamic_sampling.rlmix_step_end(run=run, metrics=metrics)
+    metrics = run.drain_metrics()  # what the wrapper logged for the step
     return batch, metrics
 
 
@@ -371,7 +371,7 @@ def test_dynamic_sampling_refills_with_fresh_prompts():
                        "dapo/sampled_groups": 6.0}
     state = run.state["dapo.dynamic_sampling"]
     assert (state["total_dropped_groups"], state["total_extra_rounds"]) == (3, 1)
-    assert "last" not in state  # step_end consumed it
+    assert "last" not in state  # per-step counts are logged, never checkpointed
 
 
 def test_dynamic_sampling_truncates_surplus_groups_and_leaves_full_batches_alone():

@@ -79,10 +79,8 @@ def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behavior_logp: t
     w = behaviour_weight(prox_logp, behavior_logp, mask, cap, cap_mode)
     prox = prox_logp.detach()
     log_r = torch.where(mask > 0, logp - prox, logp - logp.detach())  # 0 off the mask
-    ratio = torch.exp(log_r)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    return -w * torch.minimum(unclipped, clipped), clipped < unclipped, w
+    loss, clipped = ops.clip_ratio(torch.exp(log_r), advantages, 1.0 - eps_low, 1.0 + eps_high)
+    return w * loss, clipped, w
 
 
 def loglinear_proximal(logp: torch.Tensor, behavior_logp: torch.Tensor,

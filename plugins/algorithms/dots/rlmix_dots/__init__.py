@@ -1,5 +1,5 @@
-"""Difficulty-targeted online data selection and rollout replay (DOTS) as an ``rlmix_sample``
-wrapper.
+"""Difficulty-targeted online data selection and rollout replay (DOTS): steps 1-3 in
+``rlmix_select_prompts`` (a new list for the owner), the rest in an ``rlmix_sample`` wrapper.
 
 1. A candidate pool: the step's prompts plus ``pool_factor - 1`` more batches from
    ``rlmix_prompts`` (negative step keys).
@@ -136,9 +136,11 @@ def _flat(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return (hi - lo) <= 1e-8
 
 
-@rlmix.hookimpl(wrapper=True)
-def rlmix_sample(run: Run, prompts: list[Prompt]
-                 ) -> Generator[None, RolloutBatch, RolloutBatch]:
+@rlmix.hookimpl
+def rlmix_select_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt]:
+    """Before the owner samples: roll out the reference prompts, predict the others' difficulty
+    and choose the moderate ones (a new list; the caller's is left alone). The wrapper reads
+    the rest from ``run.plugin_resources("dots")["selection"]``."""
     s: Settings = run.settings(NAME)
     state = _state(run)
     k = int(run.config.train.group_size)
@@ -164,9 +166,29 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     predicted = attention_difficulty(embeddings[rest], torch.stack(ref_emb) if ref_emb else
                                      torch.zeros(0, s.embed_dim), torch.tensor(ref_d), s.tau)
     chosen = [rest[i] for i in select_moderate(predicted, fresh - n_ref, s.target)]
-    prompts[:] = [pool[i] for i in chosen]  # the owner samples these
+    selected = [pool[i] for i in chosen]  # the owner samples these
+    run.plugin_resources(NAME)["selection"] = {
+        "step": run.step, "prompts": selected, "replay": replay, "ref_part": ref_part,
+        "ref_ok": ref_ok, "rest": rest, "predicted": predicted, "chosen": chosen}
+    return selected
 
+
+@rlmix.hookimpl(wrapper=True)
+def rlmix_sample(run: Run, prompts: list[Prompt]
+                 ) -> Generator[None, RolloutBatch, RolloutBatch]:
     owner = yield
+    selection = run.plugin_resources(NAME).pop("selection", None)
+    if selection is None or selection["step"] != run.step:
+        # not a batch dots selected (a wrapper's extra round samples other prompts): as is
+        return owner
+    if [id(p) for p in selection["prompts"]] != [id(p) for p in prompts]:
+        raise RuntimeError(f"plugin '{NAME}': the owner sampled other prompts than it "
+                           "selected: a wrapper outside it changed them (deepspeed's "
+                           "per-rank share does), which it does not support")
+    s: Settings = run.settings(NAME)
+    state = _state(run)
+    replay, ref_part, ref_ok, rest, predicted, chosen = (selection[k] for k in (
+        "replay", "ref_part", "ref_ok", "rest", "predicted", "chosen"))
 
     owner_ok = score(run, owner) > s.threshold
     generated = len(ref_part) + len(owner)
@@ -194,7 +216,8 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
         if not bool(flat[g]):
             group_rows = batch.select((batch.group == g).nonzero().flatten())
             group_rows.group = torch.zeros(len(group_rows), dtype=torch.long)
-            group_rows.rewards, group_rows.reward_terms = None, {}
+            # kept with its reward terms: a replayed group is not scored again (score once)
+            group_rows.rewards = None
             state["buffer"].append(group_rows)
     del state["buffer"][:max(0, len(state["buffer"]) - s.buffer_size)]
     if taken:
@@ -203,15 +226,12 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     state["groups"] += len(flat)
     state["zero_adv_groups"] += int(flat.sum())
     state["replayed"] += len(taken)
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "dots/rollouts": float(generated), "dots/replayed_groups": float(len(taken)),
         "dots/fresh_zero_adv_groups": float(fresh_zero),
         "dots/zero_adv_groups": float(flat.sum()),
         "dots/predicted_difficulty": float(predicted[[rest.index(i) for i in chosen]].mean())
         if chosen else 0.0}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

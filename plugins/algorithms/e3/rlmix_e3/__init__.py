@@ -156,15 +156,12 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
                                                     s.temp_lr, s.temp_min, s.temp_max)
     state["entropy"].append(entropy)
     del state["entropy"][:-1000]
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "e3/rollouts": float(generated), "e3/temperature": temperature,
         "e3/next_temperature": float(state["temperature"]), "e3/entropy": entropy,
         "e3/target_entropy": float(state["target"]),
         "e3/max_rollouts_per_prompt": float(max(counts)),
         "e3/min_rollouts_per_prompt": float(min(counts))}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -18,7 +18,6 @@ import re
 from collections import Counter
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -185,17 +184,19 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     pruned = len(batch) - len(keep)
     if pruned:  # the pruned rows stay inspectable until the next step
         kept_set = set(keep)
-        run.resources[f"{NAME}.pruned"] = batch.select(
+        run.plugin_resources(NAME)["pruned"] = batch.select(
             [i for i in range(len(batch)) if i not in kept_set])
         batch = batch.select(keep)
     else:
-        run.resources.pop(f"{NAME}.pruned", None)
+        run.plugin_resources(NAME).pop("pruned", None)
     _label_batch(batch, s.answer_regex)
     state["pruned"] += pruned
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "echo/rollouts": float(generated), "echo/pruned": float(pruned),
         "echo/branch_rollouts": float(sum(widths)), "echo/max_width": float(max(widths)),
         "echo/group_confidence": sum(conf) / max(len(conf), 1)}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
 
 
@@ -207,10 +208,3 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     return {"pseudo_correct": torch.tensor([
         float(row["echo"]["answer"] is not None and row["echo"]["answer"] == row["echo"]["label"])
         for row in batch.info])}
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))
-
-

@@ -103,7 +103,7 @@ def test_wrapper_budget_cap_pruning_and_labels():
     run = _run(env, overrides=["echo.width_max=6"])
     batch = run.sample(run.hook.rlmix_prompts(run=run, step=0))
     assert env.generated == 64 == run.state["echo"]["rollouts"]  # 8 x 4 roots + 32 branches
-    stats = run.resources["echo.stats"]
+    stats = run.pending_metrics
     assert stats["echo/max_width"] <= 6 and stats["echo/branch_rollouts"] == 32
     assert len(batch) == 64 - stats["echo/pruned"]
     terms = rlmix_echo.rlmix_score(run=run, batch=batch)["pseudo_correct"]
@@ -154,7 +154,7 @@ def test_claim_more_accurate_pseudo_labels_at_equal_budget_and_pruning_hits_wron
         for g in range(batch.num_groups):
             row = int((batch.group == g).nonzero()[0])
             right_e += batch.info[row]["echo"]["label"] == str(batch.prompts[row].answer)
-        gone = run_e.resources.get("echo.pruned")
+        gone = run_e.plugin_resources("echo").get("pruned")
         if gone is not None:
             pruned += len(gone)
             pruned_right += sum(t == f"so {p.answer}" for t, p in zip(gone.texts, gone.prompts))

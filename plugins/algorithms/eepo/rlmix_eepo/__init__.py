@@ -12,7 +12,6 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -132,10 +131,6 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
     batch = regroup([first, second], keys, pad_id(run))
     count_rollouts(run, NAME, len(batch))
     stats["eepo/rollouts"] = float(len(batch))
-    run.resources[f"{NAME}.stats"] = stats
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return batch
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

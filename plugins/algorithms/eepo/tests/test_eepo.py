@@ -103,7 +103,7 @@ def test_sampler_budget_stages_and_exact_restore_on_the_toy():
     # the second half was sampled from the unlearned policy: its tokens are less likely
     # under the restored weights than the first half's, on average
     logp = batch.behavior_logp.sum(-1)
-    stats = run.resources["eepo.stats"]
+    stats = run.pending_metrics
     assert stats["eepo/unlearn_lr"] == pytest.approx(5.0 * stats["eepo/confidence"])
     first = torch.cat([logp[batch.group == g][:4] for g in range(4)])
     second = torch.cat([logp[batch.group == g][4:] for g in range(4)])
@@ -126,7 +126,7 @@ def test_exact_restore_on_the_tiny_model_through_the_hf_engine():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
-    assert run.resources["eepo.stats"]["eepo/grad_norm"] > 0
+    assert run.pending_metrics["eepo/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("override", ["eepo.first_fraction=1.0", "eepo.unlearn_lr=-1",

@@ -62,8 +62,9 @@ def rlmix_configure(run: Run) -> None:
     s = run.settings("grpo")
     if s.beta > 0 and run.policy is not None:
         reference = frozen_copy(run.policy.model)
-        # rebuilt from the initial weights on every start, so it is not checkpoint state
-        run.resources["grpo.reference"] = reference
+        # rebuilt from the initial, full weights on every start (before a resume restores the
+        # checkpoint and before rlmix_prepare_model), so it is not checkpoint state
+        run.plugin_resources("grpo")["reference"] = reference
 
 
 @rlmix.hookimpl
@@ -88,7 +89,7 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
         "mismatch/behavior_kl": float(ops.masked_mean(behavior - logp.detach(), mask)),
     }
     if s.beta > 0:
-        reference = run.resources.get("grpo.reference")
+        reference = run.plugin_resources("grpo").get("reference")
         if reference is None:
             raise RuntimeError("grpo: beta > 0 but no reference model (rlmix_configure not run)")
         with torch.no_grad():

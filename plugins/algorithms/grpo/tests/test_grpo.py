@@ -289,7 +289,7 @@ def test_kl_term_against_a_frozen_reference(estimator):
     run = make_run({"grpo": rlmix_grpo}, ["grpo.beta=0.1", f"grpo.kl_estimator={estimator}"],
                    with_policy=True)
     rlmix_grpo.rlmix_configure(run)
-    reference = run.resources["grpo.reference"]
+    reference = run.plugin_resources("grpo")["reference"]
     assert reference is not run.policy.model
     assert not any(p.requires_grad for p in reference.parameters())
     batch = make_batch(vocab=200)
@@ -330,7 +330,7 @@ def test_beta_without_configure_fails_loudly_and_beta_zero_allocates_nothing():
                             entropy=torch.zeros_like(logp))
     run = make_run({"grpo": rlmix_grpo}, with_policy=True)
     rlmix_grpo.rlmix_configure(run)
-    assert "grpo.reference" not in run.resources
+    assert "reference" not in run.plugin_resources("grpo")
 
 
 # ---------------------------------------------------------------- settings

@@ -12,9 +12,7 @@ from rlmix import ops
 from rlmix.types import LOSS_MODES, LossTerms, Minibatch, Run
 
 OLD_LOGP = ops.OLD_LOGP_CHOICES
-#: the combined log-ratio is capped here before exp (as verl does), so a far off-policy sample
-#: cannot overflow; beyond the cap the token carries no gradient
-LOG_RATIO_CAP = 10.0
+LOG_RATIO_CAP = ops.LOG_RATIO_CAP  # the combined log-ratio's cap before exp (as verl)
 
 
 @dataclass
@@ -31,13 +29,7 @@ class Settings:
         rlmix.check_ranges(self)
 
 
-def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-    """``log s_i = (1/|y_i|) sum_t (logp - old_logp)`` over the masked tokens, ``[N]``; 0 for a
-    row with no tokens (its ratio is 1)."""
-    mask = mask.to(logp.dtype)
-    diff = torch.where(mask > 0, logp - old_logp, torch.zeros_like(logp))
-    return (diff * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+sequence_log_ratio = ops.sequence_log_ratio  # the paper's s_i (log), written once
 
 
 def gspo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -52,13 +44,9 @@ def gspo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     gradient are those of the sequence objective ``mean_i -min(s_i A_i, clip(s_i) A_i)`` when
     ``A`` is constant along each row. Returns ``(loss [N, T], clipped [N, T], s [N])``, where
     ``clipped`` marks tokens whose clipped branch was taken."""
-    seq = sequence_log_ratio(logp, old_logp, mask).detach()
-    log_ratio = seq[:, None] + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_CAP))
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, clipped < unclipped, seq.exp()
+    ratio, seq = ops.sequence_token_ratio(logp, old_logp, mask, LOG_RATIO_CAP)
+    loss, clipped = ops.clip_ratio(ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
+    return loss, clipped, seq.exp()
 
 
 @rlmix.hookimpl

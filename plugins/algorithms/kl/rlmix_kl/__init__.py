@@ -15,7 +15,7 @@ from rlmix.policy import frozen_copy
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
 NAME = "kl"
-REFERENCE = "kl.reference"  # key in run.resources
+REFERENCE = "reference"  # key in run.plugin_resources("kl")
 ESTIMATORS = ops.KL_ESTIMATORS
 PLACEMENTS = ("loss", "reward")
 POLICY_LOGP = ("recompute", "behavior")
@@ -46,7 +46,7 @@ def sequence_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Ten
 
 
 def reference_logprobs(run: Run, batch: RolloutBatch) -> torch.Tensor:
-    reference = run.resources.get(REFERENCE)
+    reference = run.plugin_resources("kl").get(REFERENCE)
     if reference is None or run.policy is None:
         raise RuntimeError("kl: no reference model (rlmix_configure has not run with a policy)")
     with torch.no_grad():
@@ -56,10 +56,12 @@ def reference_logprobs(run: Run, batch: RolloutBatch) -> torch.Tensor:
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    # copied once, from the weights the run starts with (a resumed run restores its checkpoint
-    # after configuring, so the reference is still the initial policy); never checkpointed
-    if run.policy is not None and REFERENCE not in run.resources:
-        run.resources[REFERENCE] = build_reference(run.policy.model)
+    # copied once, from the full model the run starts with (a resumed run restores its
+    # checkpoint after configuring, and a trainer partitions the model later, in
+    # rlmix_prepare_model), so the reference is the initial policy; never checkpointed
+    own = run.plugin_resources("kl")
+    if run.policy is not None and REFERENCE not in own:
+        own[REFERENCE] = build_reference(run.policy.model)
 
 
 @rlmix.hookimpl(wrapper=True)

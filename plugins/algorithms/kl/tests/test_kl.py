@@ -94,14 +94,14 @@ def test_sequence_penalty_sums_masked_tokens_and_ignores_masked_garbage():
 
 def test_reference_is_a_frozen_copy_made_once_and_not_checkpoint_state():
     run = _configured_run()
-    ref = run.resources["kl.reference"]
+    ref = run.plugin_resources("kl")["reference"]
     assert ref is not run.policy.model and not ref.training
     assert not any(p.requires_grad for p in ref.parameters())
     for a, b in zip(ref.parameters(), run.policy.model.parameters()):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
     _perturb(run.policy.model)
     rlmix_kl.rlmix_configure(run)  # configuring again keeps the initial copy
-    assert run.resources["kl.reference"] is ref
+    assert run.plugin_resources("kl")["reference"] is ref
     assert not torch.equal(next(ref.parameters()), next(run.policy.model.parameters()))
     assert "kl" not in run.state and "kl.reference" not in run.state
 
@@ -133,7 +133,7 @@ def test_loss_wrapper_kl_is_zero_at_start_and_positive_after_a_weight_change(est
     logp, entropy = run.policy.logprobs(run, batch)
     terms = run.hook.rlmix_clip(run=run, mb=_minibatch(batch), logp=logp, entropy=entropy)
     with torch.no_grad():
-        ref_logp, _ = run.policy.logprobs(run, batch, model=run.resources["kl.reference"])
+        ref_logp, _ = run.policy.logprobs(run, batch, model=run.plugin_resources("kl")["reference"])
     kl = kl_estimate(logp.detach(), ref_logp, estimator) * mask
     assert float(kl.abs().sum()) > 1e-2
     if estimator != "k1":
@@ -143,7 +143,7 @@ def test_loss_wrapper_kl_is_zero_at_start_and_positive_after_a_weight_change(est
     assert terms.metrics["kl"] == pytest.approx(float(kl.sum() / mask.sum()), rel=1e-5)
     # the gradient reaches the policy's weights, never the reference's
     ops.aggregate_loss(terms.loss, terms.mask, terms.mode, _norm(mask)).backward()
-    assert all(p.grad is None for p in run.resources["kl.reference"].parameters())
+    assert all(p.grad is None for p in run.plugin_resources("kl")["reference"].parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0
                for p in run.policy.model.parameters())
 
@@ -155,7 +155,7 @@ def test_loss_side_gradient_wrt_logp(estimator):
     batch.advantages = torch.zeros(len(batch))  # the owner contributes nothing: KL alone
     mask = batch.completion_mask
     with torch.no_grad():
-        ref_logp, _ = run.policy.logprobs(run, batch, model=run.resources["kl.reference"])
+        ref_logp, _ = run.policy.logprobs(run, batch, model=run.plugin_resources("kl")["reference"])
     g = torch.Generator().manual_seed(1)
     logp = (ref_logp + 0.5 * torch.randn(ref_logp.shape, generator=g) * mask).requires_grad_(True)
     terms = run.hook.rlmix_clip(run=run, mb=_minibatch(batch), logp=logp,
@@ -212,7 +212,7 @@ def test_reward_term_is_zero_at_start_and_minus_beta_sum_kl_after(estimator):
     _perturb(run.policy.model)
     with torch.no_grad():
         logp, _ = run.policy.logprobs(run, batch)
-        ref_logp, _ = run.policy.logprobs(run, batch, model=run.resources["kl.reference"])
+        ref_logp, _ = run.policy.logprobs(run, batch, model=run.plugin_resources("kl")["reference"])
     mask = batch.completion_mask
     expected = -0.2 * (kl_estimate(logp, ref_logp, estimator) * mask).sum(-1)
     assert float(expected.abs().min()) > 0
@@ -228,7 +228,7 @@ def test_reward_term_can_use_the_behaviour_logprobs():
                            "kl.policy_logp=behavior"], owner=False)
     batch = make_batch(vocab=200)
     with torch.no_grad():
-        ref_logp, _ = run.policy.logprobs(run, batch, model=run.resources["kl.reference"])
+        ref_logp, _ = run.policy.logprobs(run, batch, model=run.plugin_resources("kl")["reference"])
     expected = -0.5 * ((batch.behavior_logp - ref_logp) * batch.completion_mask).sum(-1)
     torch.testing.assert_close(rlmix_kl.rlmix_score(run, batch)["penalty"], expected)
 

@@ -14,7 +14,7 @@ from rlmix.policy import frozen_copy
 from rlmix.types import RolloutBatch, Run
 
 NAME = "reinforce_pp"
-REFERENCE = "reinforce_pp.reference"  # key in run.resources
+REFERENCE = "reference"  # key in run.plugin_resources(NAME)
 ESTIMATORS = ops.KL_ESTIMATORS
 BASELINES = ("none", "group")
 POLICY_LOGP = ("recompute", "behavior")
@@ -107,9 +107,10 @@ def _logprobs(run: Run, batch: RolloutBatch, model: torch.nn.Module | None) -> t
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s = run.settings(NAME)
-    if s.beta > 0 and run.policy is not None and REFERENCE not in run.resources:
+    own = run.plugin_resources(NAME)
+    if s.beta > 0 and run.policy is not None and REFERENCE not in own:
         # the initial weights (configure runs before a checkpoint is restored); not checkpointed
-        run.resources[REFERENCE] = _build_reference(run.policy.model)
+        own[REFERENCE] = _build_reference(run.policy.model)
 
 
 @rlmix.hookimpl
@@ -118,7 +119,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     assert batch.rewards is not None
     mask = batch.completion_mask.float()
     if s.beta > 0:
-        reference = run.resources.get(REFERENCE)
+        reference = run.plugin_resources(NAME).get(REFERENCE)
         if reference is None or run.policy is None:
             raise RuntimeError("reinforce_pp: beta > 0 but no reference model "
                                "(rlmix_configure has not run with a policy)")

@@ -153,7 +153,7 @@ def test_hook_with_a_frozen_reference_on_the_tiny_model():
     run = make_run({"reinforce_pp": rlmix_reinforce_pp},
                    ["reinforce_pp.beta=0.5", "train.grad_accum=3"], with_policy=True)
     rlmix_reinforce_pp.rlmix_configure(run)
-    reference = run.resources["reinforce_pp.reference"]
+    reference = run.plugin_resources("reinforce_pp")["reference"]
     assert reference is not run.policy.model and not reference.training
     assert not any(p.requires_grad for p in reference.parameters())
     assert "reinforce_pp" not in run.state
@@ -187,7 +187,7 @@ def test_hook_can_take_the_behaviour_logprobs_and_the_group_baseline():
     batch = make_batch(vocab=200)
     with torch.no_grad():
         ref_logp, _ = run.policy.logprobs(run, batch,
-                                          model=run.resources["reinforce_pp.reference"])
+                                          model=run.plugin_resources("reinforce_pp")["reference"])
     kl = kl_estimate(batch.behavior_logp, ref_logp, "k3")
     expected, _ = reinforce_pp_advantage(batch.rewards, kl, batch.completion_mask, 0.2, 0.9,
                                          batch.group)
@@ -199,7 +199,7 @@ def test_beta_zero_needs_no_reference_and_beta_without_configure_fails():
     run = make_run({"reinforce_pp": rlmix_reinforce_pp}, ["reinforce_pp.beta=0"],
                    with_policy=True)
     rlmix_reinforce_pp.rlmix_configure(run)
-    assert "reinforce_pp.reference" not in run.resources
+    assert "reference" not in run.plugin_resources("reinforce_pp")
     batch = make_batch()
     adv = run.hook.rlmix_advantage(run=run, batch=batch)
     expected, _ = reinforce_pp_advantage(batch.rewards, torch.zeros(batch.tokens.shape),

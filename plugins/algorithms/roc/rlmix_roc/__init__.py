@@ -114,15 +114,12 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
         rows += idx[resample_on_correct(correct[idx], q[idx], k, gen)].tolist()
     out = batch.select(rows)
     kept_correct = correct[rows]
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "roc/rollouts": float(generated),
         "roc/correct_quality_all": float(q[correct].mean()) if bool(correct.any()) else 0.0,
         "roc/correct_quality_kept": float(q[rows][kept_correct].mean())
         if bool(kept_correct.any()) else 0.0,
         "roc/kept_correct_fraction": float(kept_correct.float().mean())}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return out
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -84,7 +84,7 @@ def test_wrapper_oversamples_and_cuts_groups_back():
     batch = run.sample(run.hook.rlmix_prompts(run=run, step=0))
     assert env.generated == 4 * 8 == run.state["roc"]["rollouts"]
     assert len(batch) == 16 and torch.bincount(batch.group).tolist() == [4, 4, 4, 4]
-    stats = run.resources["roc.stats"]
+    stats = run.pending_metrics
     assert stats["roc/correct_quality_kept"] >= stats["roc/correct_quality_all"]
 
 

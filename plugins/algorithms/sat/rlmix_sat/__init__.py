@@ -18,7 +18,7 @@ LEVELS = ("token", "sequence")
 OLD_LOGP = ops.OLD_LOGP_CHOICES
 #: the sequence log-ratio is capped before exp (as gspo does), so a far off-policy sample
 #: cannot overflow
-LOG_RATIO_CAP = 10.0
+LOG_RATIO_CAP = ops.LOG_RATIO_CAP
 
 
 @dataclass
@@ -101,9 +101,7 @@ def clipped_loss(ratio: torch.Tensor, advantages: torch.Tensor, lower: torch.Ten
                  upper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``-min(r A, clip(r, lower, upper) A)`` with per-token bounds; also where the clipped
     branch was taken."""
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, lower, upper) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    return ops.clip_ratio(ratio, advantages, lower, upper)
 
 
 def sat_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -119,10 +117,7 @@ def sat_sequence_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     """GSPO-token: the ratio ``s_it = sg(s_i) * pi_t / sg(pi_t)`` carries the sequence ratio
     ``s_i = exp(mean_t (logp - old_logp))`` on every token of row ``i`` (so the clip decision is
     the sequence's) and the gradient ``s_i * grad logp_t``; the SAT bounds are per row."""
-    m = mask.to(logp.dtype)
-    diff = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp))
-    seq = ((diff * m).sum(-1) / m.sum(-1).clamp(min=1)).detach()
-    ratio = torch.exp((seq[:, None] + logp - logp.detach()).clamp(max=LOG_RATIO_CAP))
+    ratio, _ = ops.sequence_token_ratio(logp, old_logp, mask, LOG_RATIO_CAP)
     return clipped_loss(ratio, advantages, lower, upper)
 
 

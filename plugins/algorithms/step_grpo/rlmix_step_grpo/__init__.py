@@ -108,21 +108,25 @@ def step_penalty(steps: torch.Tensor, group: torch.Tensor, eligible: torch.Tenso
 
 
 def _correctness(run: Run, batch: RolloutBatch, s: Settings) -> torch.Tensor | None:
-    """Which samples are correct, from another scorer's term; None = treat all as eligible."""
+    """Which samples are correct, from another scorer's term; None = treat all as eligible.
+
+    Reads the term from ``batch.reward_terms`` (the core fills it as scorers return); a scorer
+    listed after this one is asked through ``loop.scorer_terms``, which keeps what it returns in
+    the batch, so the core does not score it a second time."""
+    from rlmix import loop
+
     if s.correct_term == "":
         return None
-    plugin, _, term = s.correct_term.rpartition(".")
     if s.correct_term == "auto":
-        plugin, term = "", "correct"
-    for impl in run.pm.hook.rlmix_score.get_hookimpls():
-        if impl.plugin_name == NAME or impl.wrapper or impl.hookwrapper:
-            continue
-        if plugin and impl.plugin_name != plugin:
-            continue
-        result = impl.function(run=run, batch=batch)  # scorers are pure: scoring twice is safe
-        if result and term in result:
-            values = torch.as_tensor(result[term], dtype=torch.float32).reshape(-1)
-            return values > s.correct_threshold
+        plugins = [impl.plugin_name for impl in run.pm.hook.rlmix_score.get_hookimpls()
+                   if impl.plugin_name != NAME and not (impl.wrapper or impl.hookwrapper)]
+    else:
+        plugins = [s.correct_term.rpartition(".")[0]]
+    for plugin in plugins:
+        terms = loop.scorer_terms(run, batch, plugin)
+        name = f"{plugin}.correct" if s.correct_term == "auto" else s.correct_term
+        if name in terms:
+            return terms[name] > s.correct_threshold
     if s.correct_term == "auto":
         return None
     raise rlmix.ConfigError(f"step_grpo.correct_term: no loaded scorer returned "

@@ -168,13 +168,10 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     generated = sum(len(p) for p in parts)
     count_rollouts(run, NAME, generated)
     state["extra"] = dict(zip(order, extra))
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "trace_alloc/rollouts": float(generated),
         "trace_alloc/extra_rollouts": float(sum(extra)),
         "trace_alloc/predicted_success": sum(prior) / max(len(prior), 1)}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return regroup(parts, row_keys, pad_id(run))
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))

@@ -116,14 +116,10 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
     generated = sum(len(p) for p in parts)
     count_rollouts(run, NAME, generated)
     state["extra"] = dict(zip(order, extra))
-    run.resources[f"{NAME}.stats"] = {
+    stats = {
         "xrpo_alloc/rollouts": float(generated),
         "xrpo_alloc/extra_rollouts": float(sum(extra)),
         "xrpo_alloc/max_extra": float(max(extra) if extra else 0)}
+    for key, value in stats.items():  # written with the step's metrics
+        run.log(key, value)
     return regroup(parts, row_keys, pad_id(run))
-
-
-@rlmix.hookimpl
-def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    metrics.update(run.resources.pop(f"{NAME}.stats", {}))
-

@@ -197,10 +197,10 @@ def to_prompt(run: Run, kind: str, question: str, answer: int, pid: str,
 
 
 def _held_out(run: Run) -> tuple[list[tuple[str, str, int]], set[str]]:
-    cached = run.resources.get("stream.eval")
+    cached = run.plugin_resources(NAME).get("eval")
     if cached is None:
         tasks = eval_tasks(run.settings(NAME))
-        cached = run.resources["stream.eval"] = (tasks, {q for _, q, _ in tasks})
+        cached = run.plugin_resources(NAME)["eval"] = (tasks, {q for _, q, _ in tasks})
     return cached
 
 
@@ -262,9 +262,9 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     own = all(p.info.get("step") == run.step and not p.info.get("eval") for p in batch.prompts)
     if batch.prompts and own and state["scored_step"] != run.step:
         state["scored_step"] = run.step
-        by_kind = accuracy_by_kind(kinds, correct)
-        by_kind["all"] = float(correct.mean())
-        run.resources["stream.step_accuracy"] = (run.step, by_kind)
+        run.log(f"{NAME}/accuracy", float(correct.mean()))  # written with the step's metrics
+        for kind, acc in sorted(accuracy_by_kind(kinds, correct).items()):
+            run.log(f"{NAME}/accuracy/{kind}", acc)
     return {"correct": correct, "format": format_reward(batch.texts)}
 
 
@@ -295,10 +295,3 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     s = run.settings(NAME)
     step = run.step - 1  # the step whose tasks were just solved
     metrics[f"{NAME}/phase"] = phase_index(s.schedule, step, s.after)
-    found = run.resources.pop("stream.step_accuracy", None)
-    if found is None or found[0] != step:
-        return
-    by_kind = dict(found[1])
-    metrics[f"{NAME}/accuracy"] = by_kind.pop("all")
-    for kind, acc in sorted(by_kind.items()):
-        metrics[f"{NAME}/accuracy/{kind}"] = acc

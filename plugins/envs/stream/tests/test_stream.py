@@ -155,8 +155,8 @@ def test_scoring_feedback_and_step_accuracy_per_kind():
     batch2.prompts, batch2.texts = prompts, ["0"] * 6
     batch2.info = [{} for _ in range(6)]
     loop.score(run, batch2)
+    metrics = run.drain_metrics()  # what scoring logged for the step
     run.step = 1
-    metrics: dict = {}
     rlmix_stream.rlmix_step_end(run, metrics)
     assert metrics["stream/accuracy/add"] == 1.0 and metrics["stream/accuracy/word"] == 0.0
     assert metrics["stream/accuracy"] == pytest.approx(len(right) / 6)

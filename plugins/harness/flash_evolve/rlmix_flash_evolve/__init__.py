@@ -612,7 +612,7 @@ def _lm(run: Run) -> LM:
 def pipeline(run: Run) -> Pipeline:
     """The run's pipeline, started from ``run.state["flash_evolve"]`` (seeded first if the run
     has no state yet); called with the generation gate closed (from the main thread)."""
-    pipe = run.resources.get(f"{NAME}.pipeline")
+    pipe = run.plugin_resources(NAME).get("pipeline")
     if pipe is not None:
         return pipe
     state = copy.deepcopy(run.state.get(NAME)) or new_state(run)
@@ -637,13 +637,13 @@ def pipeline(run: Run) -> Pipeline:
         state["dropped_calls"] += state["metric_calls"] - accounted_calls(state)
     run.state[NAME] = copy.deepcopy(state)
     _score_heldout(run, state, 0)
-    pipe = run.resources[f"{NAME}.pipeline"] = Pipeline(run, state, _lm(run)).start()
+    pipe = run.plugin_resources(NAME)["pipeline"] = Pipeline(run, state, _lm(run)).start()
     return pipe
 
 
 def close(run: Run) -> None:
     """Stop and join the run's pipeline (if any) and keep its last snapshot in ``run.state``."""
-    pipe = run.resources.pop(f"{NAME}.pipeline", None)
+    pipe = run.plugin_resources(NAME).pop("pipeline", None)
     if pipe is None:
         return
     try:
@@ -679,7 +679,7 @@ def evolve(run: Run, proposals: int | None = None) -> HarnessUpdate | None:
     s = run.settings(NAME)
     if NAME not in run.state and not components(run):
         return None
-    if run.state.get(NAME, {}).get("finished") and f"{NAME}.pipeline" not in run.resources:
+    if run.state.get(NAME, {}).get("finished") and "pipeline" not in run.plugin_resources(NAME):
         return None  # the budget was spent: nothing more fits
     pipe = pipeline(run)
     if pipe.error is not None:
@@ -730,7 +730,7 @@ def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    pipe = run.resources.get(f"{NAME}.pipeline")
+    pipe = run.plugin_resources(NAME).get("pipeline")
     if pipe is not None and run.step >= int(run.config.train.steps):
         close(run)  # the run's last step: no worker outlives it
     state = run.state.get(NAME)

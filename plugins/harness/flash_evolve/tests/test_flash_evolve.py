@@ -269,7 +269,7 @@ def test_per_step_windows_and_clean_shutdown(tmp_path):
     run.step = int(run.config.train.steps)  # the run's last step: step_end shuts down
     metrics: dict = {}
     fe.rlmix_step_end(run, metrics)
-    assert not flash_threads() and "flash_evolve.pipeline" not in run.resources
+    assert not flash_threads() and "pipeline" not in run.plugin_resources("flash_evolve")
     assert metrics["flash_evolve/proposals"] == len(mutations(run.state["flash_evolve"]))
     assert metrics["flash_evolve/metric_calls"] == run.state["flash_evolve"]["metric_calls"]
 
@@ -362,5 +362,5 @@ def test_run_end_stops_the_pipeline_mid_run(tmp_path):
     fe.evolve(run)  # a step's window: the pipeline is up, the run is far from its last step
     assert flash_threads()
     run.hook.rlmix_run_end(run=run)  # what rlmix.loop.train calls when it ends, or crashes
-    assert not flash_threads() and "flash_evolve.pipeline" not in run.resources
+    assert not flash_threads() and "pipeline" not in run.plugin_resources("flash_evolve")
     assert run.state["flash_evolve"]["candidates"]

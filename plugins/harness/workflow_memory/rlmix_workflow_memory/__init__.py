@@ -54,7 +54,7 @@ NAME = "workflow_memory"
 MODES = ("online", "offline", "both")
 INDUCERS = ("lm", "rule")
 BUSY = "workflow_memory.rendering"  # run.resources: threads inside this plugin's wrapper
-STATS = "workflow_memory.stats"  # run.resources: retrieval counts since the last step end
+STATS = "retrieval"  # run.plugin_resources(NAME): this step's retrieval counts
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)*(?!\w)")
 _TOKEN = re.compile(r"[a-z][a-z0-9_]*|[+\-*/%^=<>]")
 _TITLE = re.compile(r"^\s*(?:#+\s*)?\**\s*WORKFLOW\s*\**\s*:\s*(.+?)\s*$", re.I)
@@ -421,9 +421,13 @@ def with_workflows(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
     """``prompts`` with each one re-rendered under a harness holding its retrieved workflows."""
     s = run.settings(NAME)
     wfs = memory_of(run)["workflows"]
-    stats = run.resources.setdefault(STATS, {"prompts": 0, "hits": 0, "retrieved": 0})
+    own = run.plugin_resources(NAME)
+    stats = own.get(STATS)
+    if stats is None or stats["step"] != run.step:  # counts are per step
+        stats = own[STATS] = {"step": run.step, "prompts": 0, "hits": 0, "retrieved": 0}
     stats["prompts"] += len(prompts)
     if not wfs:
+        _log_retrieval(run, stats)
         return prompts
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
@@ -448,7 +452,16 @@ def with_workflows(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
             wf["used"] += len(rows)
         stats["hits"] += len(rows)
         stats["retrieved"] += len(rows) * len(chosen)
+    _log_retrieval(run, stats)
     return out
+
+
+def _log_retrieval(run: Run, stats: dict[str, int]) -> None:
+    """The step's retrieval rates so far, written with the step's metrics (the last call of a
+    step wins, and it has seen every prompt of the step)."""
+    if stats["prompts"]:
+        run.log(f"{NAME}/hit_rate", stats["hits"] / stats["prompts"])
+        run.log(f"{NAME}/retrieved_mean", stats["retrieved"] / stats["prompts"])
 
 
 @rlmix.hookimpl
@@ -500,9 +513,5 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     metrics[p + "metric_calls"] = memory["metric_calls"]
     if memory["lm_failures"]:
         metrics[p + "lm_failures"] = memory["lm_failures"]
-    stats = run.resources.pop(STATS, None)
-    if stats and stats["prompts"]:
-        metrics[p + "hit_rate"] = stats["hits"] / stats["prompts"]
-        metrics[p + "retrieved_mean"] = stats["retrieved"] / stats["prompts"]
     if memory["workflows"]:
         metrics[p + "support_mean"] = mean([w["support"] for w in memory["workflows"]])

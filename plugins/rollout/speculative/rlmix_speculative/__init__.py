@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rlmix_hf import encode_prompts, stop_token_ids
 
 import rlmix
+from rlmix.sampling import encode_prompts, stop_token_ids
 from rlmix.types import GenerationRequest, RolloutBatch, Run
 from rlmix_speculative.drafters import (
     AdaptiveDrafter,

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rlmix_hf import filter_logits
 
+from rlmix.sampling import filter_logits
 from rlmix_speculative.engine import Draft, DraftContext
 
 

@@ -8,14 +8,15 @@ position ids count only its real tokens. Every row therefore sees exactly the (t
 sequence plain decoding would have fed it.
 
 Acceptance (Leviathan et al. 2023, Chen et al. 2023): with ``p`` the policy's sampling
-distribution (temperature, top-k, top-p applied by ``rlmix_hf.filter_logits``, exactly as plain
-sampling applies them) and ``q`` the drafter's (filtered the same way), draft ``d_i`` is accepted
-with probability ``min(1, p_i(d_i) / q_i(d_i))``; the first rejected position is resampled from
-``max(0, p_i - q_i)`` normalised; when every draft is accepted a bonus token is drawn from
-``p_{k+1}``. A deterministic drafter has ``q = one-hot(d_i)``: acceptance is ``p_i(d_i)`` and the
-residual is ``p_i`` with ``d_i`` removed. A row with fewer than ``k`` drafts samples from plain
-``p`` at the first position it has no draft for. Greedy (``temperature == 0``): a draft is
-accepted when it equals the policy's argmax, and the first mismatch takes the argmax.
+distribution (temperature, top-k, top-p applied by ``rlmix.sampling.filter_logits``, exactly as
+plain sampling applies them) and ``q`` the drafter's (filtered the same way), draft ``d_i`` is
+accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; the first rejected position is
+resampled from ``max(0, p_i - q_i)`` normalised; when every draft is accepted a bonus token is
+drawn from ``p_{k+1}``. A deterministic drafter has ``q = one-hot(d_i)``: acceptance is
+``p_i(d_i)`` and the residual is ``p_i`` with ``d_i`` removed. A row with fewer than ``k``
+drafts samples from plain ``p`` at the first position it has no draft for. Greedy (``temperature
+== 0``): a draft is accepted when it equals the policy's argmax, and the first mismatch takes
+the argmax.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from rlmix_hf import filter_logits
+
+from rlmix.sampling import filter_logits
 
 
 @dataclass
@@ -201,7 +203,7 @@ def speculative_sample(model: Any, input_ids: torch.Tensor, attention_mask: torc
                        collect_hidden: bool = False) -> SpecOutput:
     """Sample ``n`` completions per prompt row with speculative decoding (``k`` drafts per
     verify pass; ``k == 0`` or no drafter is plain decoding through the same code path).
-    Rows are prompt-major, as in ``rlmix_hf.sample_tokens``."""
+    Rows are prompt-major, as in ``rlmix.sampling.sample_tokens``."""
     t_start = time.perf_counter()
     ctx_mgr = autocast if autocast is not None else contextlib.nullcontext()
     device = input_ids.device

@@ -13,7 +13,6 @@ import pytest
 import rlmix_hf
 import rlmix_speculative as spec
 import torch
-from rlmix_hf import filter_logits, sample_tokens
 from rlmix_speculative import (
     AdaptiveDrafter,
     CostModel,
@@ -35,6 +34,7 @@ from rlmix_speculative import (
 import rlmix
 from rlmix import checkpoint
 from rlmix.policy import tiny_random
+from rlmix.sampling import filter_logits, sample_tokens
 from rlmix.testing import make_run
 from rlmix.types import GenerationRequest, Prompt
 

@@ -65,7 +65,7 @@ class Settings:
 
 @dataclass
 class Trainer:
-    """What the plugin keeps in ``run.resources['deepspeed']``."""
+    """What the plugin keeps in ``run.plugin_resources("deepspeed")["trainer"]``."""
 
     engine: Any
     settings: Settings
@@ -197,7 +197,7 @@ def init_distributed(settings: Settings, device_type: str) -> Any:
 
 
 def _trainer(run: Run) -> Trainer | None:
-    tr = run.resources.get(NAME)
+    tr = run.plugin_resources(NAME).get("trainer")
     return tr if isinstance(tr, Trainer) else None
 
 
@@ -212,7 +212,7 @@ def rlmix_configure(run: Run) -> None:
     if _trainer(run) is not None:
         return
     device = run.policy.device
-    deepspeed = init_distributed(settings, device.type)
+    init_distributed(settings, device.type)
     rank, world = rank_and_world()
     train = run.config.train
     if device.type == "cuda" and world > 1:
@@ -230,9 +230,27 @@ def rlmix_configure(run: Run) -> None:
               "parameters, so the ranks must generate in lockstep (same number of decode steps); "
               "a rollout engine that stops early on some ranks hangs (with hf, set "
               "hf.stop_at_eos=false, or sample with ray/vllm)", file=sys.stderr)
-    root = run.out_dir
+    run.plugin_resources(NAME)["setup"] = (rank, world, run.out_dir, device)
     if rank > 0:  # one run folder for rank 0's metrics and checkpoints; the others log apart
-        run.out_dir = root / "ranks" / f"rank-{rank}"
+        run.out_dir = run.out_dir / "ranks" / f"rank-{rank}"
+    run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
+
+
+@rlmix.hookimpl
+def rlmix_prepare_model(run: Run) -> None:
+    """The engine wraps (ZeRO-3: partitions) the model only now, after every plugin's
+    ``rlmix_configure`` took its reference copies from the full model and, on resume, after the
+    core restored the checkpoint's weights into it."""
+    if _trainer(run) is not None:
+        return
+    setup = run.plugin_resources(NAME).pop("setup", None)
+    if setup is None or run.policy is None:
+        raise RuntimeError("plugin 'deepspeed': rlmix_prepare_model before rlmix_configure")
+    rank, world, root, device = setup
+    settings: Settings = run.settings(NAME)
+    train = run.config.train
+    import deepspeed
+
     model = run.policy.model
     cfg = ds_config(settings, train)
     kwargs: dict[str, Any] = {"model": model, "config": cfg}
@@ -246,16 +264,17 @@ def rlmix_configure(run: Run) -> None:
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     # the rollout engine reads run.policy.model: it must be the module DeepSpeed updates
     run.policy.model = engine.module
-    run.resources[NAME] = Trainer(engine=engine, settings=settings, rank=rank, world=world,
-                                  root=root, device=device)
-    run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
+    run.plugin_resources(NAME)["trainer"] = Trainer(
+        engine=engine, settings=settings, rank=rank, world=world, root=root, device=device)
 
 
 @rlmix.hookimpl
 def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any] | None:
     tr = _trainer(run)
     if tr is None:
-        raise RuntimeError("plugin 'deepspeed' has no engine (was rlmix_configure run?)")
+        raise RuntimeError("plugin 'deepspeed' has no engine (was rlmix_prepare_model run? "
+                           "loop.build_run runs it; after loop.configure call "
+                           "loop.prepare_model)")
     engine = tr.engine
     state = run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
     _restore_once(run, tr)  # normally done already, before the step's first forward

@@ -112,7 +112,7 @@ class Poison:
 
 
 def build(trainer: str, stage: int, out: Path, steps: int, extra: list[str],
-          poison: list[int] | None = None) -> Run:
+          poison: list[int] | None = None, resume: bool = False) -> Run:
     import rlmix_deepspeed
 
     plugins: dict[str, Any] = {"env": Env(), "rollout": Rollout(), "algo": Algo()}
@@ -128,10 +128,8 @@ def build(trainer: str, stage: int, out: Path, steps: int, extra: list[str],
         "train.checkpoint_every=0", "train.max_grad_norm=0", "sampling.max_new_tokens=6",
         "policy.threads=1", "policy.device=cpu",
         *([f"deepspeed.stage={stage}"] if trainer == "deepspeed" else []), *extra])
-    run, _ = loop.prepare(cfg, extra_plugins=plugins, required={})
-    loop.load_policy(run)
-    loop.configure(run)
-    return run
+    # the CLI's path: configure, restore the checkpoint (with resume), prepare the model
+    return loop.build_run(cfg, extra_plugins=plugins, resume=resume)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,10 +157,10 @@ def main(argv: list[str] | None = None) -> None:
                 from rlmix import checkpoint
 
                 del run  # as if the process had died after the checkpoint
-                run = build(args.trainer, stage, folder, args.steps, args.set, poison)
-                last = checkpoint.latest(checkpoint.checkpoint_root(run))
-                assert last is not None, "no checkpoint to resume from"
-                checkpoint.restore(run, last)
+                assert checkpoint.list_checkpoints(folder / "checkpoints"), "no checkpoint"
+                run = build(args.trainer, stage, folder, args.steps, args.set, poison,
+                            resume=True)
+                assert run.step == args.resume_after
             metrics = loop.train_step(run)
             run.hook.rlmix_step_end(run=run, metrics=metrics)
             params = run.policy.model.parameters()
@@ -170,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             losses.append(metrics["loss"])
             norms.append(metrics.get("update/grad_norm", float("nan")))
             rewards.append(metrics["reward/mean"])
-        tr = run.resources.get("deepspeed")
+        tr = run.plugin_resources("deepspeed").get("trainer")
         if tr is not None:
             import rlmix_deepspeed
 
