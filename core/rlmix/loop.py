@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlmix import async_sampling, checkpoint, manifest, observe, ops
+from rlmix import async_sampling, checkpoint, manifest, needs, observe, ops
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError, PluginError
 from rlmix.hookspecs import REQUIRED_HOOKS
@@ -46,7 +46,8 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         # no weight updates: nothing needs advantages or a policy loss
         required = {k: v for k, v in REQUIRED_HOOKS.items()
                     if k not in ("rlmix_advantage", "rlmix_clip")}
-    plugin_loading.check_required(pm, required)
+    # a reward-free method declares RLMIX_NOT_NEEDED (rlmix.needs) instead of a core branch
+    plugin_loading.check_required(pm, needs.required_hooks([p.obj for p in loaded], required))
     out_dir = Path(core.out or Path("runs") / core.name)
     run = Run(config=resolved, pm=pm, settings_by_plugin=settings, out_dir=out_dir,
               plugin_names=list(core.plugins), harness=dict(core.harness))
@@ -194,6 +195,8 @@ def train_step(run: Run) -> dict[str, Any]:
     harness_only = str(run.config.train.mode) == "harness-only"
     advantages = (torch.zeros(len(batch)) if harness_only
                   else hook.rlmix_advantage(run=run, batch=batch))
+    if advantages is None and needs.run_does_without(run, "rlmix_advantage"):
+        advantages = torch.zeros(len(batch))
     if advantages is None:
         raise RuntimeError("no plugin returned advantages from rlmix_advantage")
     batch.advantages = advantages
