@@ -187,11 +187,14 @@ class PrivilegedToyWorld:
 
 
 def toy_world_run(world: PrivilegedToyWorld, plugins: dict[str, Any],
-                  overrides: list[str] | None = None, scorer: bool = True) -> Run:
+                  overrides: list[str] | None = None, scorer: bool = True,
+                  optimizer: str = "adamw") -> Run:
     """A ``Run`` of ``world`` (registered first, as ``toyworld``) and ``plugins`` (in order),
     with the toy as the policy and the core's AdamW configured. ``scorer=False`` registers the
-    world without its ``rlmix_score`` (a reward-free run). Train it with
-    ``rlmix.loop.train_step``."""
+    world without its ``rlmix_score`` (a reward-free run). ``optimizer="sgd"`` swaps in plain
+    SGD at ``train.lr`` (the core's update steps whatever ``run.optimizer`` is): on a table,
+    Adam's per-entry normalisation cancels a constant per-token weight, SGD keeps it, so claims
+    about token weighting use SGD. Train it with ``rlmix.loop.train_step``."""
     from rlmix import loop
     from rlmix.testing import make_run
 
@@ -201,6 +204,10 @@ def toy_world_run(world: PrivilegedToyWorld, plugins: dict[str, Any],
                     "train.group_size=8", "train.checkpoint_every=0", *(overrides or [])])
     run.policy = world.policy  # type: ignore[assignment]
     loop.configure(run)
+    if optimizer == "sgd":
+        run.optimizer = torch.optim.SGD(world.policy.parameters(), lr=float(run.config.train.lr))
+    elif optimizer != "adamw":
+        raise ValueError(f"optimizer: {optimizer!r} is not adamw or sgd")
     return run
 
 
