@@ -40,10 +40,12 @@ class Settings:
 
 
 def render(template: str, prompt: Prompt) -> str:
-    """``template`` with ``{answer}`` and any plain ``prompt.info`` field filled in."""
+    """``template`` with ``{answer}`` and any plain ``prompt.info`` field filled in;
+    ``{reference}`` (a reference solution) falls back to the answer when the prompt has none."""
     fields: dict[str, Any] = {k: v for k, v in prompt.info.items()
                               if isinstance(v, str | int | float)}
     fields["answer"] = prompt.answer
+    fields.setdefault("reference", prompt.answer)
     try:
         return template.format(**fields)
     except KeyError as exc:

@@ -119,6 +119,8 @@ def test_privileged_messages_append_to_the_last_user_message_only():
     assert out[-1]["content"] == "2+2? Answer: 4; see two and two."
     assert out[0] == {"role": "system", "content": "s"}
     assert prompt.messages[-1]["content"] == "2+2?"  # unchanged
+    no_reference = Prompt(messages=[{"role": "user", "content": "q"}], answer=5)
+    assert base.render("{reference}", no_reference) == "5"  # falls back to the answer
     with pytest.raises(ValueError, match="hint"):
         base.privileged_messages(prompt, "{hint}")
     bare = Prompt(messages=[{"role": "system", "content": "s"}], answer=1)
