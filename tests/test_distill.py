@@ -181,3 +181,18 @@ def test_the_loop_runs_a_reward_free_step_on_the_toy_world():
     torch.testing.assert_close(torch.log_softmax(logits, -1).gather(
         -1, batch.tokens[:, 1:, None]).squeeze(-1), logp[:, 1:])
     torch.testing.assert_close(batch.behavior_logp, logp.detach())
+
+
+def test_forced_completions_follow_the_source_rows_prompts():
+    world = _world()
+    run = toy_world_run(world, {})
+    batch = world.rlmix_generate(run, rlmix.GenerationRequest(
+        prompts=[world.prompt(0), world.prompt(2)], n=2))
+    forced = distill.forced_completions(run, batch, [0, 2], [[1, 2], [3]])
+    assert forced.tokens.tolist() == [[0, 1, 2], [2, 3, 0]]
+    assert forced.completion_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
+    assert forced.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert [p.id for p in forced.prompts] == ["0", "2"]
+    logp, _ = world.policy.logprobs(run, forced)
+    torch.testing.assert_close(forced.behavior_logp, logp.detach())
+    assert forced.group.tolist() == [0, 1]

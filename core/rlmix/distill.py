@@ -8,6 +8,8 @@ teacher of the student's own completions) needs the logits. This module is that 
   ``rlmix_completion_logits`` hook, with the caller's gradient mode (the student).
 * ``teacher_logits(run, batch, messages)``: the same under other prompt messages, no gradient.
 * ``policy_completion_logits``: the core's default for the hook, on the run's ``Policy``.
+* ``forced_completions(run, batch, rows, completions)``: rows that are not sampled (an expert
+  trajectory, an oracle answer) after existing rows' prompts, for SFT-like and anchor terms.
 
 ``first`` is ``first_completion_column(batch)``, the first column any row's completion occupies
 (the same cut ``Policy.logprobs`` makes); ``completion_region(batch)`` is the completion mask
@@ -19,6 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from rlmix.types import RolloutBatch as RolloutBatchType
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlmix.types import RolloutBatch, Run
@@ -113,3 +117,37 @@ def policy_completion_logits(run: Run, batch: RolloutBatch,
         bias = getattr(head, "bias", None)
         return torch.nn.functional.linear(hidden.float(), head.weight.float(),
                                           None if bias is None else bias.float())
+
+
+def forced_completions(run: Run, batch: RolloutBatch, rows: list[int],
+                       completions: list[list[int]]) -> RolloutBatch:
+    """New rows that are not sampled: row ``rows[j]``'s prompt columns (``:first``) followed by
+    the token ids ``completions[j]`` (an expert trajectory, an oracle answer), right-padded.
+    ``behavior_logp`` is the current policy's (no gradient), ``policy_version`` the current
+    one, so a ratio taken against it starts at 1; ``prompts`` and ``info`` come from the source
+    rows, ``group`` is ``0..len(rows) - 1``."""
+    from rlmix.sampling import pad_id
+
+    first = first_completion_column(batch)
+    width = max(len(c) for c in completions)
+    pad = pad_id(run)
+    index = torch.tensor(rows, dtype=torch.long)
+    tail = torch.tensor([list(c) + [pad] * (width - len(c)) for c in completions],
+                        dtype=torch.long)
+    filled = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+    n = len(rows)
+    out = RolloutBatchType(
+        group=torch.arange(n), tokens=torch.cat([batch.tokens[index, :first], tail], 1),
+        attention_mask=torch.cat([batch.attention_mask[index, :first],
+                                  filled.to(batch.attention_mask.dtype)], 1),
+        completion_mask=torch.cat([torch.zeros(n, first), filled.float()], 1),
+        behavior_logp=torch.zeros(n, first + width),
+        policy_version=torch.full((n,), int(run.policy_version), dtype=torch.long),
+        texts=[" ".join(map(str, c)) for c in completions],
+        prompts=[batch.prompts[r] for r in rows] if batch.prompts else [],
+        info=[dict(batch.info[r]) for r in rows])
+    if run.policy is not None:
+        with torch.no_grad():
+            out.behavior_logp = run.policy.logprobs(run, out)[0].detach().cpu().float() \
+                * out.completion_mask
+    return out

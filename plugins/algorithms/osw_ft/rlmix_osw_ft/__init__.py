@@ -66,27 +66,13 @@ def expert_ids(run: Run, prompt: Prompt) -> list[int]:
 
 def expert_batch(run: Run, rollouts: RolloutBatch, weights: torch.Tensor) -> RolloutBatch:
     """One row per group of ``rollouts``: its prompt columns, then the expert completion
-    (right-padded), ``weights[g]`` in ``extras[WEIGHT]``."""
-    first = distill.first_completion_column(rollouts)
+    (``rlmix.distill.forced_completions``), ``weights[g]`` in ``extras[WEIGHT]``."""
     groups = rollouts.group.tolist()
     rows = [groups.index(g) for g in range(rollouts.num_groups)]
-    prompts = [rollouts.prompts[r] for r in rows]
-    completions = [expert_ids(run, p) for p in prompts]
-    width = max(len(c) for c in completions)
-    pad = sampling.pad_id(run)
-    tail = torch.tensor([c + [pad] * (width - len(c)) for c in completions], dtype=torch.long)
-    filled = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
-    index = torch.tensor(rows)
-    tokens = torch.cat([rollouts.tokens[index, :first], tail], 1)
-    attention = torch.cat([rollouts.attention_mask[index, :first], filled.to(
-        rollouts.attention_mask.dtype)], 1)
-    cmask = torch.cat([torch.zeros(len(rows), first), filled.float()], 1)
-    n = len(rows)
-    return RolloutBatch(group=torch.arange(n), tokens=tokens, attention_mask=attention,
-                        completion_mask=cmask, behavior_logp=torch.zeros(tokens.shape),
-                        policy_version=torch.full((n,), run.policy_version, dtype=torch.long),
-                        texts=[" ".join(map(str, c)) for c in completions], prompts=prompts,
-                        extras={WEIGHT: weights.float()})
+    batch = distill.forced_completions(run, rollouts, rows,
+                                       [expert_ids(run, rollouts.prompts[r]) for r in rows])
+    batch.extras[WEIGHT] = weights.float()
+    return batch
 
 
 @rlmix.hookimpl(wrapper=True)
