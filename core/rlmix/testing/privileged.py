@@ -15,6 +15,10 @@ moves when the student does.
 ``Run`` on which ``rlmix.loop.train_step`` runs the real step, scoring, advantage owner,
 ``rlmix_clip`` owner and wrappers, and the core's AdamW, in milliseconds a step.
 
+A prompt whose ``info["continue_from"]`` holds token ids is continued from them (the engine
+keeps them as the completion's first tokens and samples the rest): the continuation probe a
+step-level credit method needs.
+
 Exact metrics come from the table, not from samples: ``sampled_accuracy`` (the probability
 that a temperature-1 sample is the answer), ``pass_at`` (``1 - (1 - p)^k``) and
 ``greedy_accuracy``.
@@ -152,11 +156,15 @@ class PrivilegedToyWorld:
             for g, prompt in enumerate(request.prompts):
                 logits = pol.table([prompt_index(prompt)], [prompt.messages])[0]
                 if request.temperature <= 0:
-                    draws = logits.argmax(-1).expand(request.n, -1)
+                    draws = logits.argmax(-1).expand(request.n, -1).clone()
                 else:
                     probs = torch.softmax(logits / request.temperature, -1)
                     draws = torch.multinomial(probs, request.n, replacement=True,
-                                              generator=pol.generator).T
+                                              generator=pol.generator).T.clone()
+                # a continuation: the first tokens are given (Prompt.info["continue_from"])
+                prefix = list(prompt.info.get("continue_from") or [])[:pol.length]
+                if prefix:
+                    draws[:, :len(prefix)] = torch.tensor(prefix)
                 rows.append(draws)
                 prompts += [prompt] * request.n
                 group += [g] * request.n
