@@ -171,7 +171,7 @@ def test_opsd_hook_on_the_tiny_model_matches_the_pure_functions():
     expected = base.to_columns(base.clip_token_loss(base.forward_kl(teacher, student), 10.0),
                                batch.tokens.shape[1]) * batch.completion_mask
     torch.testing.assert_close(terms.loss.detach(), expected, atol=1e-5, rtol=1e-5)
-    assert float((terms.loss * terms.mask).sum()) > 0
+    assert float((terms.loss.detach() * terms.mask).sum()) > 0
     (terms.loss * terms.mask).sum().backward()
     assert run.policy.model.get_input_embeddings().weight.grad.abs().sum() > 0
     # an empty template makes the teacher the student: the loss vanishes
@@ -196,7 +196,7 @@ def test_rp_hook_on_the_tiny_model_runs_and_backpropagates():
                    with_policy=True)
     batch = _model_batch(run, ["What is 3+4?"], [55, 56, 57])
     terms = _clip(run, batch)
-    assert float((terms.loss * terms.mask).sum()) > 0
+    assert float((terms.loss.detach() * terms.mask).sum()) > 0
     (terms.loss * terms.mask).sum().backward()
 
 
