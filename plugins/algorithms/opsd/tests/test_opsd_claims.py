@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-import rlmix_grpo
+import pytest
 import rlmix_opsd.hdpo as hdpo
 import rlmix_opsd.opsa as opsa
 import rlmix_opsd.plain as plain
@@ -24,6 +24,12 @@ from rlmix.testing.privileged import PrivilegedToyPolicy, PrivilegedToyWorld, to
 
 ANSWER_MARKER = "A correct final answer is:"  # in base.DEFAULT_TEMPLATE
 REFERENCE_MARKER = "A reference solution:"  # in rp.Settings.template
+
+
+def _grpo():
+    """The GRPO baseline, skipped where rlmix-grpo is not installed (nox -s isolated)."""
+    return pytest.importorskip("rlmix_grpo")
+
 
 
 def _one_hot(answers: torch.Tensor, vocab: int, value: float) -> torch.Tensor:
@@ -63,14 +69,14 @@ def _cliff_world(seed: int = 0) -> PrivilegedToyWorld:
 def test_hdpo_lifts_cliff_prompts_that_grpo_cannot_touch_at_equal_rollouts():
     steps = 60
     world = _cliff_world()
-    _train(world, {"grpo": rlmix_grpo, "opsd.hdpo": hdpo}, ["opsd.hdpo.lam=1.0"], steps)
+    _train(world, {"grpo": _grpo(), "opsd.hdpo": hdpo}, ["opsd.hdpo.lam=1.0"], steps)
     hdpo_rows = world.generated_rows
     assert hdpo_rows > 32 * steps  # the privileged rollouts are counted in the budget
 
     baseline = _cliff_world()
     start = baseline.policy.logits.detach().clone()
     grpo_steps = math.ceil(hdpo_rows / 32)  # GRPO gets the same rollouts, as more steps
-    _train(baseline, {"grpo": rlmix_grpo}, [], grpo_steps)
+    _train(baseline, {"grpo": _grpo()}, [], grpo_steps)
     assert baseline.generated_rows >= hdpo_rows
 
     # GRPO: every cliff group's advantage is 0, so their logits never moved (bit for bit)
@@ -88,8 +94,8 @@ def test_hdpo_lifts_cliff_prompts_that_grpo_cannot_touch_at_equal_rollouts():
 
 def test_hdpo_with_lambda_zero_is_grpo_bit_for_bit():
     a, b = _cliff_world(), _cliff_world()
-    _train(a, {"grpo": rlmix_grpo, "opsd.hdpo": hdpo}, ["opsd.hdpo.lam=0"], 6)
-    _train(b, {"grpo": rlmix_grpo}, [], 6)
+    _train(a, {"grpo": _grpo(), "opsd.hdpo": hdpo}, ["opsd.hdpo.lam=0"], 6)
+    _train(b, {"grpo": _grpo()}, [], 6)
     assert a.generated_rows == b.generated_rows
     assert torch.equal(a.policy.logits, b.policy.logits)
 
@@ -100,7 +106,7 @@ def test_opsd_alone_lifts_cliff_prompts_without_any_reward():
     _train(world, {"opsd": plain}, [], 40, scorer=False)
     baseline = _cliff_world()
     baseline.subset = CLIFF
-    _train(baseline, {"grpo": rlmix_grpo}, [], 40)
+    _train(baseline, {"grpo": _grpo()}, [], 40)
     assert world.generated_rows == baseline.generated_rows
     opsd_acc = float(world.policy.answer_prob(world.answers, CLIFF).mean())
     grpo_acc = float(baseline.policy.answer_prob(baseline.answers, CLIFF).mean())
