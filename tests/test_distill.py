@@ -196,3 +196,14 @@ def test_forced_completions_follow_the_source_rows_prompts():
     logp, _ = world.policy.logprobs(run, forced)
     torch.testing.assert_close(forced.behavior_logp, logp.detach())
     assert forced.group.tolist() == [0, 1]
+
+
+def test_stop_token_is_what_early_rows_end_with_and_texts_are_decoded(tiny_run):
+    run = tiny_run
+    batch = _model_batch(run, ["a", "b"], [[65, 66, 67, 68], [69, 70, 9]])
+    assert distill.stop_token(run, batch) == 9  # row 2 stopped early on token 9
+    full = _model_batch(run, ["a"], [[65, 66]])
+    assert distill.stop_token(run, full) == run.policy.tokenizer.eos_token_id
+    hi = run.policy.tokenizer("Hi", add_special_tokens=False)["input_ids"]
+    forced = distill.forced_completions(run, batch, [0], [hi])
+    assert forced.texts == ["Hi"]  # what a scorer reads is the decoded completion

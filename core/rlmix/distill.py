@@ -143,7 +143,7 @@ def forced_completions(run: Run, batch: RolloutBatch, rows: list[int],
         completion_mask=torch.cat([torch.zeros(n, first), filled.float()], 1),
         behavior_logp=torch.zeros(n, first + width),
         policy_version=torch.full((n,), int(run.policy_version), dtype=torch.long),
-        texts=[" ".join(map(str, c)) for c in completions],
+        texts=[_decode(run, c) for c in completions],
         prompts=[batch.prompts[r] for r in rows] if batch.prompts else [],
         info=[dict(batch.info[r]) for r in rows])
     if run.policy is not None:
@@ -151,3 +151,30 @@ def forced_completions(run: Run, batch: RolloutBatch, rows: list[int],
             out.behavior_logp = run.policy.logprobs(run, out)[0].detach().cpu().float() \
                 * out.completion_mask
     return out
+
+
+def _decode(run: Run, ids: list[int]) -> str:
+    """What a scorer reads in ``batch.texts``: the decoded completion (the ids, joined, where
+    the run has no tokenizer, as in the toy worlds)."""
+    tok = run.tokenizer
+    if tok is None:
+        return " ".join(map(str, ids))
+    return str(tok.decode(list(ids), skip_special_tokens=True))
+
+
+def stop_token(run: Run, batch: RolloutBatch) -> int | None:
+    """The token the rollout engine ended completions with: the most frequent last completion
+    token of the rows that stopped before the widest one (a chat model's end-of-turn, which is
+    not always ``tokenizer.eos_token_id``); the tokenizer's EOS when no row stopped early."""
+    lengths = batch.completion_mask.sum(-1)
+    ends: dict[int, int] = {}
+    for i in (lengths < lengths.max()).nonzero().flatten().tolist():
+        cols = (batch.completion_mask[i] > 0).nonzero().flatten()
+        if len(cols):
+            last = int(batch.tokens[i, cols[-1]])
+            ends[last] = ends.get(last, 0) + 1
+    if ends:
+        return max(ends, key=ends.__getitem__)
+    tok = run.tokenizer
+    eos = getattr(tok, "eos_token_id", None) if tok is not None else None
+    return int(eos) if eos is not None else None

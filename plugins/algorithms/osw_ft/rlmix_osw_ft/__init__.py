@@ -9,7 +9,8 @@ place, one row per query: the rollouts' prompt tokens followed by the expert com
 its weight in ``batch.extras["osw_ft.weight"]``. ``rlmix_clip`` (owner) is the weighted token
 NLL. The expert completion is ``Prompt.info["expert_ids"]`` (token ids) when the env gives it,
 else ``Prompt.info["expert"]`` (text) or ``str(Prompt.answer)``, tokenised with the policy's
-tokenizer and closed by its EOS token."""
+tokenizer and closed by the token the engine ended its rollouts with
+(``rlmix.distill.stop_token``: a chat model's end-of-turn, not always the EOS)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def query_weights(p_hat: torch.Tensor, weighting: str, normalize: bool) -> torch
     return w
 
 
-def expert_ids(run: Run, prompt: Prompt) -> list[int]:
+def expert_ids(run: Run, prompt: Prompt, end: int | None = None) -> list[int]:
+    """The expert completion's token ids, closed by ``end`` (the engine's stop token)."""
     ids = prompt.info.get("expert_ids")
     if ids is not None:
         return [int(i) for i in ids]
@@ -61,7 +63,7 @@ def expert_ids(run: Run, prompt: Prompt) -> list[int]:
                            "tokenizer to encode its expert text")
     text = str(prompt.info.get("expert", prompt.answer))
     out = list(tok(text, add_special_tokens=False)["input_ids"])
-    return out + ([int(tok.eos_token_id)] if tok.eos_token_id is not None else [])
+    return out + ([end] if end is not None else [])
 
 
 def expert_batch(run: Run, rollouts: RolloutBatch, weights: torch.Tensor) -> RolloutBatch:
@@ -69,8 +71,9 @@ def expert_batch(run: Run, rollouts: RolloutBatch, weights: torch.Tensor) -> Rol
     (``rlmix.distill.forced_completions``), ``weights[g]`` in ``extras[WEIGHT]``."""
     groups = rollouts.group.tolist()
     rows = [groups.index(g) for g in range(rollouts.num_groups)]
+    end = distill.stop_token(run, rollouts)
     batch = distill.forced_completions(run, rollouts, rows,
-                                       [expert_ids(run, rollouts.prompts[r]) for r in rows])
+                                       [expert_ids(run, rollouts.prompts[r], end) for r in rows])
     batch.extras[WEIGHT] = weights.float()
     return batch
 

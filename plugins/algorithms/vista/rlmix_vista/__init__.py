@@ -94,7 +94,8 @@ def anchor_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
     return (advantages.to(per_row.device) * per_row).sum() / max(sequences, 1.0)
 
 
-def oracle_ids(run: Run, prompt: Prompt) -> list[int]:
+def oracle_ids(run: Run, prompt: Prompt, end: int | None = None) -> list[int]:
+    """The oracle answer's token ids, closed by ``end`` (the engine's stop token)."""
     ids = prompt.info.get("oracle_ids")
     if ids is not None:
         return [int(i) for i in ids]
@@ -104,7 +105,7 @@ def oracle_ids(run: Run, prompt: Prompt) -> list[int]:
                            "tokenizer to encode its answer")
     text = str(prompt.info.get("oracle", prompt.answer))
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    return ids + ([int(tok.eos_token_id)] if tok.eos_token_id is not None else [])
+    return ids + ([end] if end is not None else [])
 
 
 @rlmix.hookimpl
@@ -139,8 +140,9 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
         if active:
             first = batch.group.tolist()
             rows = [first.index(g) for g in active]
+            end = distill.stop_token(run, batch)
             anchors = distill.forced_completions(
-                run, batch, rows, [oracle_ids(run, batch.prompts[r]) for r in rows])
+                run, batch, rows, [oracle_ids(run, batch.prompts[r], end) for r in rows])
             run.resources[PENDING] = (run.step, anchors, per_group[active])
     return adv
 
