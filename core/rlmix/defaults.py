@@ -5,6 +5,7 @@
   with ``train.optimizer_in_backward``, each parameter stepped inside the backward as soon as
   its gradient is ready (no gradient memory held for the whole model).
 * ``rlmix_token_logprobs``: plain torch (full logits).
+* ``rlmix_completion_logits``: the policy's forward (``rlmix.distill``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlmix import distill
 from rlmix import plugins as _plugins
 from rlmix.errors import ConfigError
 from rlmix.hookspecs import hookimpl
@@ -211,3 +213,9 @@ def rlmix_token_logprobs(run: Run, hidden: torch.Tensor, lm_head: torch.nn.Modul
                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return plain_token_logprobs(hidden, lm_head, labels,
                                 float(run.config.sampling.temperature))
+
+
+@hookimpl(trylast=True)
+def rlmix_completion_logits(run: Run, batch: RolloutBatch,
+                            messages: list[list[dict[str, str]]] | None) -> torch.Tensor:
+    return distill.policy_completion_logits(run, batch, messages)

@@ -65,6 +65,7 @@ FIRSTRESULT_HOOKS = (
     "rlmix_update",
     "rlmix_token_logprobs",
     "rlmix_episode",
+    "rlmix_completion_logits",
 )
 
 
@@ -283,4 +284,25 @@ def rlmix_episode(run: Run, prompt: Prompt) -> Episode | None:
     ``model_text`` (the model's turns only: score from it, so a tool's output can never supply
     an answer). See ``rlmix.types.Episode`` for the protocol. Engines without multi-turn
     support ignore this hook (scorers then see a plain single-turn completion).
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_completion_logits(
+    run: Run, batch: RolloutBatch, messages: list[list[dict[str, str]]] | None
+) -> torch.Tensor | None:
+    """Return full-vocabulary logits ``[n, T - first, V]`` at the batch's completion columns.
+
+    ``first = rlmix.distill.first_completion_column(batch)``: row ``i``, index ``j`` holds the
+    logits that predict ``batch.tokens[i, first + j]`` (prompt + completion, as in
+    ``Policy.logprobs``), raw (no temperature). With ``messages`` (one chat per row) the
+    completion tokens ``batch.tokens[i, first:]`` are scored after the prompt those messages
+    render to instead of the row's own prompt: a teacher under a privileged view (the answer,
+    a reference solution, a context) on the student's own tokens. The caller decides the
+    gradient: call under ``torch.no_grad()`` for a teacher; without it the logits carry the
+    policy's gradient. Losses that need more than the sampled token's log-prob (on-policy
+    distillation's per-token KL over the vocabulary) call this through
+    ``rlmix.distill.completion_logits`` / ``teacher_logits``; ``rlmix_clip`` itself only gets
+    ``logp`` and ``entropy``. The core's default (``trylast``) runs the policy's model; a toy
+    or a remote teacher implements it to serve the logits another way.
     """

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlmix import async_sampling, checkpoint, manifest, observe, ops, preflight, runfolder
+from rlmix import async_sampling, checkpoint, manifest, needs, observe, ops, preflight, runfolder
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError, PluginError, origin
 from rlmix.hookspecs import REQUIRED_HOOKS
@@ -40,7 +40,8 @@ def prepare(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         # no weight updates: nothing needs advantages or a policy loss
         required = {k: v for k, v in REQUIRED_HOOKS.items()
                     if k not in ("rlmix_advantage", "rlmix_clip")}
-    plugin_loading.check_required(pm, required)
+    # a reward-free method declares RLMIX_NOT_NEEDED (rlmix.needs) instead of a core branch
+    plugin_loading.check_required(pm, needs.required_hooks([p.obj for p in loaded], required))
     preflight.check(core, pm, settings)  # the plugins as a set, sizes, memory, device
     out_dir = Path(core.out or Path("runs") / core.name)
     run = Run(config=resolved, pm=pm, settings_by_plugin=settings, out_dir=out_dir,
@@ -343,6 +344,8 @@ def train_step(run: Run) -> dict[str, Any]:
     no_update = harness_only or bool(bad)
     advantages = (torch.zeros(len(batch)) if no_update
                   else hook.rlmix_advantage(run=run, batch=batch))
+    if advantages is None and needs.run_does_without(run, "rlmix_advantage"):
+        advantages = torch.zeros(len(batch))
     if advantages is None:
         raise RuntimeError("no plugin returned advantages from rlmix_advantage")
     batch.advantages = advantages

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from rlmix import hookspecs, loop, manifest, ops
+from rlmix import hookspecs, loop, manifest, needs, ops
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError
 from rlmix.testing import standins
@@ -792,14 +792,18 @@ def _clip_mask(s: Subject) -> None:
     """The gradient of the aggregated loss w.r.t. logp and entropy is zero wherever
     completion_mask is 0, and LossTerms.mask stays inside completion_mask."""
     run = s.shared()
+    # a loss that declares it does without advantages (rlmix.needs) need not follow them
+    follows_advantages = "rlmix_advantage" not in needs.declared(s.obj)
     for stale in (False, True):
         batch = kit_batch(run)
         _advantages(run, batch)
         with _stale(run, batch) if stale else contextlib.nullcontext():
-            _clip_mask_on(run, batch, " (samples one policy version old)" if stale else "")
+            _clip_mask_on(run, batch, " (samples one policy version old)" if stale else "",
+                          follows_advantages)
 
 
-def _clip_mask_on(run: Run, batch: RolloutBatch, where: str) -> None:
+def _clip_mask_on(run: Run, batch: RolloutBatch, where: str,
+                  follows_advantages: bool = True) -> None:
     terms, value, logp, entropy = _clip(run, batch)
     cmask = batch.completion_mask > 0
     outside = (terms.mask.detach() != 0) & ~cmask
@@ -827,7 +831,8 @@ def _clip_mask_on(run: Run, batch: RolloutBatch, where: str) -> None:
                                      f"{where}; mask every term of the loss, including terms "
                                      f"added to LossTerms.extra")
     adv = batch.token_advantages()
-    if (adv[cmask] != 0).any() and (logp.grad is None or not (logp.grad != 0).any()):
+    if follows_advantages and (adv[cmask] != 0).any() and (
+            logp.grad is None or not (logp.grad != 0).any()):
         raise ConformanceFailure(f"rlmix_clip's loss has zero gradient w.r.t. logp on a batch "
                                  f"with nonzero advantages{where}; the policy would never learn")
 
