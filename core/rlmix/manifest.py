@@ -32,6 +32,7 @@ class TrainConfig:
     adam_beta2: float = 0.999
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    lr_schedule: str = "constant"  # after warm-up: constant | linear (decay to 0 at the last step)
     epochs: int = 1  # passes over each batch
     updates_per_epoch: int = 1  # optimizer steps per pass (PPO mini-batches)
     grad_accum: int = 1  # forward/backward chunks accumulated into each optimizer step
@@ -110,7 +111,8 @@ CORE_KEYS = tuple(f.name for f in dataclasses.fields(CoreConfig))
 _CHOICES = {"policy.dtype": ("float32", "bfloat16", "float16"),
             "policy.autocast": ("none", "bfloat16", "float16"),
             "policy.device": ("auto", "cpu", "cuda"),
-            "train.mode": ("rl", "harness-only")}
+            "train.mode": ("rl", "harness-only"),
+            "train.lr_schedule": ("constant", "linear")}
 
 
 def read(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:
