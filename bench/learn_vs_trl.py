@@ -251,10 +251,13 @@ def run_all(args: argparse.Namespace) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     jobs = [("base", 0)] if args.eval_base else []
     # seed-major, frameworks alternating within a seed (and the order flipped every seed), so
-    # each seed's runs sit next to each other in time and share the machine's load
-    for i, seed in enumerate(args.seeds):
-        order = args.configs if i % 2 == 0 else list(reversed(args.configs))
-        jobs += [(c, seed) for c in order]
+    # each seed's runs sit next to each other in time and share the machine's load; with
+    # --first N, the first N configs of every seed go before the others
+    head, tail = args.configs[:args.first or None], args.configs[args.first or len(args.configs):]
+    for group in (head, tail):
+        for i, seed in enumerate(args.seeds):
+            order = group if i % 2 == 0 else list(reversed(group))
+            jobs += [(c, seed) for c in order]
     jobs = [(c, s) for c, s in jobs if not (results / f"{c}-s{s}.json").exists()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     running: list[tuple[str, int, subprocess.Popen[bytes], float]] = []
@@ -263,8 +266,10 @@ def run_all(args: argparse.Namespace) -> None:
             config, seed = jobs.pop(0)
             result = results / f"{config}-s{seed}.json"
             log = (logs / f"{config}-s{seed}.log").open("wb")
+            # its own session: on a shared machine with the kernel's autogroup scheduling,
+            # each worker then gets a session's share, as a job started from its own shell
             proc = subprocess.Popen(worker_argv(args, config, seed, result), stdout=log,
-                                    stderr=subprocess.STDOUT, env=env)
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
             running.append((config, seed, proc, time.perf_counter()))
             print(f"started {config} seed {seed} (pid {proc.pid})", file=sys.stderr, flush=True)
         time.sleep(2)
@@ -352,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-size", type=int, default=100)
     ap.add_argument("--eval-max-new-tokens", type=int, default=24)
     ap.add_argument("--parallel", type=int, default=1, help="workers at once")
+    ap.add_argument("--first", type=int, default=0,
+                    help="run the first N configs for every seed before the rest")
     ap.add_argument("--eval-base", action="store_true", help="also score the untrained model")
     ap.add_argument("--report", action="store_true", help="only print the table")
     ap.add_argument("--out", default="runs/learn-vs-trl")
