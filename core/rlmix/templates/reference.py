@@ -42,6 +42,8 @@ CORE_NOTES = {
                                     "gradient is ready and free it (no gradient copy of the "
                                     "model); needs `max_grad_norm: 0` and `grad_accum: 1`"),
     "train.warmup_steps": "linear learning-rate warm-up, in optimizer steps",
+    "train.lr_schedule": ("after warm-up: `constant`, or `linear` decay to 0 over the run's "
+                          "optimizer steps (Hugging Face's linear schedule)"),
     "train.shuffle": "shuffle rows before splitting them into optimizer steps",
     "train.seed": "seed of every random choice (prompts, sampling, minibatch order)",
     "train.keep_checkpoints": "checkpoints kept (the newest)",

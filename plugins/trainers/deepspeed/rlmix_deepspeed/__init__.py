@@ -134,10 +134,14 @@ def share(n: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def lr_at(train: Any, optimizer_steps: int) -> float:
-    """The core default's schedule: linear warm-up over ``train.warmup_steps``, then flat."""
-    warmup = int(train.warmup_steps)
-    scale = min(1.0, (optimizer_steps + 1) / warmup) if warmup > 0 else 1.0
-    return float(train.lr) * scale
+    """The core default's schedule (``rlmix.defaults.lr_scale``): linear warm-up over
+    ``train.warmup_steps``, then flat or, with ``train.lr_schedule: linear``, decaying to 0."""
+    from rlmix.defaults import lr_scale
+
+    schedule = str(getattr(train, "lr_schedule", "constant"))
+    total = (int(getattr(train, "steps", 0)) * int(getattr(train, "epochs", 1))
+             * int(getattr(train, "updates_per_epoch", 1)))
+    return float(train.lr) * lr_scale(optimizer_steps, int(train.warmup_steps), schedule, total)
 
 
 def is_checkpoint_step(run: Run) -> bool:

@@ -81,6 +81,8 @@ def test_lr_schedule_is_the_core_default_warmup():
     train = _train(lr=1.0, warmup_steps=4)
     assert [lr_at(train, k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert lr_at(_train(lr=2.0), 0) == 2.0
+    linear = _train(lr=1.0, lr_schedule="linear", steps=4, epochs=1, updates_per_epoch=1)
+    assert [lr_at(linear, k) for k in range(4)] == [1.0, 0.75, 0.5, 0.25]
 
 
 @pytest.mark.parametrize("override, words", [
