@@ -229,6 +229,8 @@ def release_round(run: Run, state: dict[str, Any]) -> dict[str, Any]:
 
 def iterate(run: Run) -> HarnessUpdate | None:
     s = run.settings(NAME)
+    if NAME not in run.state and _nothing_to_evolve(run):
+        return None
     state = run.state.get(NAME) or init_state(run)
     if state["metric_calls"] + len(state["tasks"]) > s.budget:
         return None
@@ -246,14 +248,18 @@ def iterate(run: Run) -> HarnessUpdate | None:
         parent_version=run.harness_version, source=NAME)
 
 
+def _nothing_to_evolve(run: Run) -> bool:
+    """True (with a warning at configure) when the harness lacks the component: nothing to do."""
+    return run.settings(NAME).component not in run.harness
+
+
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s = run.settings(NAME)
-    if s.component not in run.harness:
-        from rlmix.errors import ConfigError
-
-        raise ConfigError(f"{NAME}.component: the harness has no component {s.component!r}; "
-                          "give its starting text under 'harness:'")
+    if _nothing_to_evolve(run):
+        print(f"rlmix: warning: {NAME} has nothing to evolve: the harness has no component "
+              f"{s.component!r} (give its starting text under 'harness:')")
+        return
     if s.lm.source != "policy":
         reflection_lm(run, NAME)
     if s.critic.source != "policy":

@@ -58,7 +58,7 @@ class Settings:
     eval_size: int = 8  # tasks every candidate is scored on (the same tasks each time)
     heldout_size: int = 0  # tasks the search never sees; scored for each accepted candidate
     demo_source: str = "file"  # file | teacher | none (self-rollout evolution, the baseline)
-    demos_path: str = ""  # file: JSON lines {"input": ..., "output": ...}
+    demos_path: str = ""  # file: JSON lines {"input": ..., "output": ...}; "" = none (warned)
     demos_per_prompt: int = 2  # demonstrations shown per proposal, most similar first
     demo_chars: int = 600  # per demonstration output shown
     teacher: LMSettings = field(default_factory=LMSettings)  # teacher: who demonstrates
@@ -74,9 +74,6 @@ class Settings:
         check_choices(self, demo_source=SOURCES)
         if self.budget < 1 or self.eval_size < 1:
             raise ValueError("budget: budget and eval_size must be >= 1")
-        if self.demo_source == "file" and not self.demos_path:
-            raise ValueError("demos_path: demo_source 'file' needs a JSON-lines file of "
-                             "demonstrations ({\"input\": ..., \"output\": ...} per line)")
         if self.demos_per_prompt < 0 or self.heldout_size < 0 or self.traces_per_prompt < 0:
             raise ValueError("demos_per_prompt: demos_per_prompt, heldout_size and "
                              "traces_per_prompt must be >= 0")
@@ -164,7 +161,7 @@ def init_state(run: Run) -> dict[str, Any]:
     names = evolved_components(run, NAME)
     pool = split_pool(run, {"selection": s.eval_size, "heldout": s.heldout_size},
                       s.task_step_base)
-    demos = read_demos(s.demos_path) if s.demo_source == "file" else []
+    demos = read_demos(s.demos_path) if (s.demo_source == "file" and s.demos_path) else []
     state = run.state[NAME] = {
         "components": names, "tasks": [list(t) for t in pool["selection"]],
         "heldout_tasks": [list(t) for t in pool["heldout"]], "demos": demos,
@@ -270,7 +267,11 @@ def iterate(run: Run) -> HarnessUpdate | None:
 def rlmix_configure(run: Run) -> None:
     configure_evolver(run, NAME)
     s = run.settings(NAME)
-    if s.demo_source == "file":
+    if s.demo_source == "file" and not s.demos_path:
+        print(f"rlmix: warning: {NAME}: demo_source 'file' with no demos_path shows no "
+              "demonstrations (self-rollout evolution); give a JSON-lines file of "
+              '{"input": ..., "output": ...}')
+    elif s.demo_source == "file":
         read_demos(s.demos_path)  # a bad file fails before the first step
 
 

@@ -65,9 +65,15 @@ def test_reflection_prompt_shows_failures_and_demonstrations():
     assert parse_proposal("```\nalpha beta\n```") == "alpha beta"
 
 
-def test_settings_are_checked(tmp_path):
-    with pytest.raises(ManifestError, match="demo_evolve.demos_path"):
-        make_run({"demo_evolve": rlmix_demo_evolve}, [])
+def test_settings_are_checked(tmp_path, capsys):
+    # no demonstration file: a warning at configure, and proposals show no demonstrations
+    run = world_run(tmp_path / "none", "demo_evolve.budget=24")
+    assert "no demos_path shows no demonstrations" in capsys.readouterr().out
+    run.resources["demo_evolve.lm"] = ScriptedLM(reply=demo_reader(seed=0))
+    rlmix_demo_evolve.iterate(run)
+    assert run.state["demo_evolve"]["demos"] == []
+    with pytest.raises(ConfigError, match="no such file"):
+        world_run(tmp_path / "missing", "demo_evolve.demos_path=/nonexistent.jsonl")
     with pytest.raises(ManifestError, match="demo_evolve.demo_source"):
         make_run({"demo_evolve": rlmix_demo_evolve}, ["demo_evolve.demo_source=web"])
 

@@ -258,6 +258,8 @@ def one_batch(run: Run, state: dict[str, Any]) -> dict[str, Any]:
 def iterate(run: Run) -> HarnessUpdate | None:
     """One batch; the harness update when the applied snapshot changed."""
     s = run.settings(NAME)
+    if NAME not in run.state and s.component not in run.harness:
+        return None  # nothing to evolve (warned at configure)
     state = run.state.get(NAME) or init_state(run)
     size = len(state["batches"][0])
     if state["calls"] + 2 * size > s.budget:
@@ -294,7 +296,11 @@ def _check_component(run: Run) -> None:
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
-    _check_component(run)
+    component = run.settings(NAME).component
+    if component not in run.harness:
+        print(f"rlmix: warning: {NAME} has nothing to evolve: the harness has no component "
+              f"{component!r} (give its starting text under 'harness:')")
+        return
     if run.settings(NAME).lm.source != "policy":
         reflection_lm(run, NAME)  # a bad model name or URL fails before the first step
 

@@ -10,7 +10,6 @@ import json
 import pickle
 from pathlib import Path
 
-import pytest
 import rlmix_harness_evolve
 from rlmix_harness_evolve import (
     error_signal,
@@ -21,7 +20,6 @@ from rlmix_harness_evolve import (
 )
 
 from rlmix import loop
-from rlmix.errors import ConfigError
 from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import LeakModel, leaky_proposer
@@ -154,9 +152,10 @@ def test_budget_and_resume(tmp_path):
         "snapshots"][0]
 
 
-def test_a_missing_component_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="harness_evolve.component"):
-        world_run(tmp_path, "harness_evolve.component=system")
+def test_a_missing_component_warns_and_evolves_nothing(tmp_path, capsys):
+    run = world_run(tmp_path, "harness_evolve.component=system")
+    assert "has nothing to evolve" in capsys.readouterr().out
+    assert rlmix_harness_evolve.iterate(run) is None and "harness_evolve" not in run.state
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
