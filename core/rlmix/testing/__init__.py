@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # is installed imports it. It imports neither torch nor transformers; the helpers below come
 # from ``rlmix.testing.helpers`` on first use (``from rlmix.testing import make_run``) and the
 # fixtures import what they need when a test requests them.
-_HELPERS = ("make_batch", "make_run", "skip_unless_installed", "ToyPolicy", "toy_train")
+_HELPERS = ("make_batch", "make_run", "skip_unless_installed", "ToyPolicy", "toy_train",
+            "harness_example_resumes")
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,7 @@ pytest plugin every pytest run loads, imports this module only when a test asks 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,6 +70,33 @@ def skip_unless_installed(manifest_path: Any) -> None:
     missing = sorted(set(wanted) - set(plugin_loading.installed()))
     if missing:
         pytest.skip(f"plugins not installed: {', '.join(missing)}")
+
+
+def harness_example_resumes(example: Any, out: Any, overrides: list[str], metric: str,
+                            max_calls: float) -> list[dict[str, Any]]:
+    """Run a harness plugin's example manifest on the tiny model for 2 steps, resume it to 3,
+    and check what every such example must show: steps 1, 2, 3 each logged once, the weights
+    never changed (``policy_version`` 0), and the plugin's call counter ``metric`` never going
+    back and staying within ``max_calls``. Returns the training rows. Skips when the manifest
+    names a plugin that is not installed."""
+    import json
+
+    from rlmix import cli
+
+    skip_unless_installed(example)
+    args = ["run", str(example), "model=tiny-random", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
+            "sampling.max_new_tokens=4", "log.progress=false", "log.plot=false", f"out={out}",
+            *overrides]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["policy_version"] == 0 for r in rows)
+    calls = [r[metric] for r in rows]
+    assert calls == sorted(calls) and calls[-1] <= max_calls
+    return rows
 
 
 def _bare_run(cfg: Any) -> tuple[Run, list[Any]]:

@@ -6,7 +6,6 @@ tasks; the critic never sees the harness text."""
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ from rlmix_agentdevel import diagnose, flip_gate, flips, parse_proposal, parse_s
 
 from rlmix import loop
 from rlmix.errors import ManifestError
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins
 
@@ -143,21 +142,7 @@ def test_budget_and_resume(tmp_path):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "agentdevel.check_size=2", "agentdevel.budget=8",
-            "agentdevel.max_new_tokens=4", "agentdevel.lm.max_new_tokens=8",
-            "agentdevel.critic.max_new_tokens=8", "log.progress=false", "log.plot=false",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["agentdevel/metric_calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 8
+    overrides = [
+        "agentdevel.check_size=2", "agentdevel.budget=8", "agentdevel.max_new_tokens=4",
+        "agentdevel.lm.max_new_tokens=8", "agentdevel.critic.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "agentdevel/metric_calls", 8)

@@ -17,7 +17,7 @@ from rlmix_demo_evolve import parse_proposal, read_demos, reflection_prompt, sel
 
 from rlmix import loop
 from rlmix.errors import ConfigError, ManifestError
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import SparseHintEnv, demo_reader, hint_demos
 from rlmix.testing.harness import HINTS, HintModel
@@ -171,22 +171,8 @@ def test_state_pickles_and_resumes(tmp_path):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
     demos = ROOT / "examples" / "harness" / "demos" / "arith-demos.jsonl"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "demo_evolve.eval_size=2", "demo_evolve.budget=8",
-            f"demo_evolve.demos_path={demos}", "demo_evolve.max_new_tokens=4",
-            "demo_evolve.lm.max_new_tokens=8", "log.progress=false", "log.plot=false",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["demo_evolve/metric_calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 8
+    overrides = [
+        "demo_evolve.eval_size=2", "demo_evolve.budget=8", f"demo_evolve.demos_path={demos}",
+        "demo_evolve.max_new_tokens=4", "demo_evolve.lm.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "demo_evolve/metric_calls", 8)

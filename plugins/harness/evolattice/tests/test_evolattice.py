@@ -5,7 +5,6 @@ overwrites and keeps what does not lose is trapped one edit from its start."""
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 from pathlib import Path
@@ -26,7 +25,7 @@ from rlmix_evolattice import (
 )
 
 from rlmix import loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.landscape import component_proposer, landscape_plugins, trap_world
 
@@ -227,20 +226,7 @@ def test_state_pickles_and_resumes(tmp_path):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "evolattice.eval_size=2", "evolattice.budget=12",
-            "evolattice.max_new_tokens=4", "evolattice.lm.max_new_tokens=8",
-            "log.progress=false", "log.plot=false", f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["evolattice/metric_calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 12
+    overrides = [
+        "evolattice.eval_size=2", "evolattice.budget=12", "evolattice.max_new_tokens=4",
+        "evolattice.lm.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "evolattice/metric_calls", 12)

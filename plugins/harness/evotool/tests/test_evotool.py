@@ -5,7 +5,6 @@ tagged with its module and correct text nobody asked to change is fragile."""
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
 from collections import Counter
@@ -26,7 +25,7 @@ from rlmix_evotool import (
 
 from rlmix import loop
 from rlmix.errors import ManifestError
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.modules import module_plugins, module_rewriter
 
@@ -164,20 +163,7 @@ def test_state_pickles_and_resumes(tmp_path):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "evotool.eval_size=2", "evotool.budget=8",
-            "evotool.max_new_tokens=4", "evotool.lm.max_new_tokens=8", "log.progress=false",
-            "log.plot=false", f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["evotool/metric_calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 8
+    overrides = [
+        "evotool.eval_size=2", "evotool.budget=8", "evotool.max_new_tokens=4",
+        "evotool.lm.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "evotool/metric_calls", 8)

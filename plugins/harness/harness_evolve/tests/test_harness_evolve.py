@@ -6,7 +6,6 @@ gated loop rejects every leaking edit and lifts held-out from the same seed."""
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from rlmix_harness_evolve import (
 )
 
 from rlmix import loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import LeakModel, leaky_proposer
 from rlmix.testing.harness import HintEnv
@@ -159,22 +158,8 @@ def test_a_missing_component_warns_and_evolves_nothing(tmp_path, capsys):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "harness_evolve.search_size=2",
-            "harness_evolve.batch_size=1", "harness_evolve.heldout_size=2",
-            "harness_evolve.budget=12", "harness_evolve.max_new_tokens=4",
-            "harness_evolve.lm.max_new_tokens=8", "log.progress=false", "log.plot=false",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["harness_evolve/calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 12
+    overrides = [
+        "harness_evolve.search_size=2", "harness_evolve.batch_size=1",
+        "harness_evolve.heldout_size=2", "harness_evolve.budget=12",
+        "harness_evolve.max_new_tokens=4", "harness_evolve.lm.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "harness_evolve/calls", 12)

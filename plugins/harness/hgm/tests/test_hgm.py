@@ -22,7 +22,7 @@ from rlmix_hgm import (
 )
 
 from rlmix import loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import harness_example_resumes, make_run
 from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.landscape import (
     deceptive_landscape,
@@ -199,22 +199,6 @@ def test_state_pickles_and_a_resumed_search_continues_from_it(tmp_path):
 
 
 def test_example_manifest_runs_and_resumes_on_the_tiny_model(tmp_path):
-    import json
-
-    from rlmix import cli
-
-    skip_unless_installed(EXAMPLE)
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "model=tiny-random", "train.prompts_per_step=2",
-            "train.eval_every=0", "train.checkpoint_every=1", "arith.eval_size=2",
-            "sampling.max_new_tokens=4", "hgm.eval_size=2", "hgm.budget=8",
-            "hgm.max_new_tokens=4", "hgm.lm.max_new_tokens=8", "log.progress=false",
-            "log.plot=false", f"out={out}"]
-    assert cli.main([*args, "train.steps=2"]) == 0
-    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["policy_version"] == 0 for r in rows)
-    calls = [r["hgm/metric_calls"] for r in rows]
-    assert calls == sorted(calls) and calls[-1] <= 8
+    overrides = [
+        "hgm.eval_size=2", "hgm.budget=8", "hgm.max_new_tokens=4", "hgm.lm.max_new_tokens=8"]
+    harness_example_resumes(EXAMPLE, tmp_path / "run", overrides, "hgm/metric_calls", 8)
