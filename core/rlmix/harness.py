@@ -150,6 +150,16 @@ def cut(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[:chars - 3] + "..."
 
 
+_FENCED = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
+
+
+def fenced_text(reply: str) -> str:
+    """A reflection model's proposal: the text inside the first ``` fence (the fence's info
+    string dropped), else the whole reply without fences, stripped."""
+    found = _FENCED.search(reply)
+    return (found.group(1) if found else reply.replace("```", "")).strip()
+
+
 def feedback_text(info: dict[str, Any], owner: str = "") -> str:
     """A row's env feedback as plain words: ``key: value`` for every leaf of ``info``, a list's
     items joined by commas; the episode transcript and ``owner``'s own record left out."""

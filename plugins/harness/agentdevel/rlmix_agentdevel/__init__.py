@@ -29,6 +29,7 @@ from typing import Any
 
 import rlmix
 from rlmix.harness import (
+    fenced_text,
     mean,
     reflection_lm,
     score_tasks,
@@ -118,12 +119,9 @@ def release_prompt(component: str, text: str, kind: str, spec: Sequence[str]) ->
         "Write the release candidate: the new text only, between ``` lines."])
 
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
 
 
-def parse_proposal(reply: str) -> str:
-    found = _FENCE.search(reply)
-    return (found.group(1) if found else reply.replace("```", "")).strip()
+parse_proposal = fenced_text  # the text inside the reply's first ``` fence
 
 
 # ---------------------------------------------------------------- the release line

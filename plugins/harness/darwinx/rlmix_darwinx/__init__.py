@@ -20,7 +20,6 @@ scored rollout of one task), the seed's included; state is in ``run.state["darwi
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ import rlmix
 from rlmix.harness import (
     configure_evolver,
     evolved_components,
+    fenced_text,
     mean,
     reflection_lm,
     score_tasks,
@@ -117,12 +117,9 @@ def edit_prompt(component: str, texts: dict[str, str], failures: list[dict[str, 
     return "\n".join(lines)
 
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
 
 
-def parse_proposal(reply: str) -> str:
-    found = _FENCE.search(reply)
-    return (found.group(1) if found else reply.replace("```", "")).strip()
+parse_proposal = fenced_text  # the text inside the reply's first ``` fence
 
 
 def read_teacher(path: str) -> list[dict[str, str]]:

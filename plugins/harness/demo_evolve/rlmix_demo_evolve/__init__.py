@@ -22,7 +22,6 @@ calls (one scored rollout of one task), the seed's included; state is in
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from rlmix.harness import (
     configure_evolver,
     cut,
     evolved_components,
+    fenced_text,
     guard_heldout,
     mean,
     reflection_lm,
@@ -134,12 +134,9 @@ def reflection_prompt(component: str, text: str, own: list[dict[str, Any]],
     return "\n".join(lines)
 
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
 
 
-def parse_proposal(reply: str) -> str:
-    found = _FENCE.search(reply)
-    return (found.group(1) if found else reply.replace("```", "")).strip()
+parse_proposal = fenced_text  # the text inside the reply's first ``` fence
 
 
 # ---------------------------------------------------------------- the search

@@ -24,7 +24,6 @@ is in ``run.state["harness_evolve"]``.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import rlmix
 from rlmix.errors import ConfigError
 from rlmix.harness import (
+    fenced_text,
     generate_scored,
     guard_heldout,
     mean,
@@ -133,12 +133,9 @@ def edit_prompt(component: str, text: str, signal: Sequence[str],
     return "\n".join(lines)
 
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
 
 
-def parse_proposal(reply: str) -> str:
-    found = _FENCE.search(reply)
-    return (found.group(1) if found else reply.replace("```", "")).strip()
+parse_proposal = fenced_text  # the text inside the reply's first ``` fence
 
 
 # ---------------------------------------------------------------- the loop

@@ -20,7 +20,6 @@ The node with the best own score is applied to ``run.harness``. The budget count
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import rlmix
 from rlmix.harness import (
     configure_evolver,
     evolved_components,
+    fenced_text,
     guard_heldout,
     mean,
     reflection_lm,
@@ -155,7 +155,6 @@ def depth(parents: Sequence[int | None], node: int) -> int:
 
 # ---------------------------------------------------------------- reflection
 
-_FENCE = re.compile(r"```[^\n]*\n(.*?)\n?```", re.S)
 
 
 def reflection_prompt(component: str, text: str, records: list[dict[str, Any]]) -> str:
@@ -172,9 +171,7 @@ def reflection_prompt(component: str, text: str, records: list[dict[str, Any]]) 
     return "\n".join(lines)
 
 
-def parse_proposal(reply: str) -> str:
-    found = _FENCE.search(reply)
-    return (found.group(1) if found else reply.replace("```", "")).strip()
+parse_proposal = fenced_text  # the text inside the reply's first ``` fence
 
 
 # ---------------------------------------------------------------- the search
