@@ -5,6 +5,7 @@ held-out pairs ordered by summed step rewards), and the example manifest on tiny
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 from pathlib import Path
@@ -172,6 +173,52 @@ def test_claim_step_credit_lands_on_the_deciding_position(seed):
     assert len(pairs) >= 100
     assert oprl.pair_order_accuracy(summed, pairs) >= 0.9
     assert run.pending_metrics["oprl/pairs"] >= 0
+
+
+# ---------------------------------------------------------------- checkpoint and resume
+
+
+def _oprl_toy_run(start: ToyPolicy, prm: TablePRM):
+    run = make_run({"pg": GroupNormPG(), "oprl": oprl},
+                   ["oprl.alpha=3.0", "oprl.prm_lr=0.05", "oprl.beta=1.0"])
+    reference = copy.deepcopy(start)
+    run.resources["oprl.ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
+    run.resources["oprl.prm"] = prm
+    oprl.rlmix_configure(run)
+    return run
+
+
+def test_resume_restores_the_implicit_prm_and_its_optimizer():
+    start = ToyPolicy(vocab=6, length=4, seed=3)
+    run = _oprl_toy_run(start, TablePRM(start))
+    policy = copy.deepcopy(start)
+    toy_train(run, policy, deciding_reward, steps=8, lr=0.05, n_prompts=4, group_size=8)
+    trained = run.resources["oprl.prm"].table.logits.detach().clone()
+    assert not torch.equal(trained, start.logits)  # the PRM learned something
+    saved = io.BytesIO()
+    torch.save(run.state, saved)  # what the core's checkpoint writes (state.pt)
+    # the resumed run: configure builds a fresh PRM from the starting policy, then the core
+    # restores run.state; the next advantage call must continue from the checkpointed PRM
+    resumed = _oprl_toy_run(start, TablePRM(start))
+    saved.seek(0)
+    resumed.state.clear()
+    resumed.state.update(torch.load(saved, weights_only=False))
+    cold = _oprl_toy_run(start, TablePRM(start))  # the old behaviour: the state is lost
+    batch = policy.sample(4, 8)
+    batch.rewards = deciding_reward(batch)
+    adv = {name: r.hook.rlmix_advantage(run=r, batch=copy.deepcopy(batch))
+           for name, r in (("live", run), ("resumed", resumed), ("cold", cold))}
+    assert resumed.pending_metrics["oprl/restored"] == 1.0
+    assert "oprl/restored" not in run.pending_metrics  # the live run is not reloaded
+    live_prm = run.resources["oprl.prm"].table.logits
+    torch.testing.assert_close(resumed.resources["oprl.prm"].table.logits, live_prm)
+    torch.testing.assert_close(adv["resumed"], adv["live"])
+    assert not torch.allclose(adv["cold"], adv["live"])
+    # Adam's moments came back too (step count and state), not only the weights
+    steps = [int(v["step"]) for v in resumed.resources["oprl.optimizer"].state.values()]
+    assert steps and steps == [int(v["step"]) for v in run.resources["oprl.optimizer"]
+                               .state.values()]
+    assert resumed.state["oprl"]["prm"][0] is not None  # and the live state is synced again
 
 
 # ---------------------------------------------------------------- the example manifest
