@@ -146,6 +146,10 @@ class ModelPRM:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> Any:
         return self.model.load_state_dict(state)
 
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        assert self.run.policy is not None
+        return self.run.policy.logprobs(self.run, batch, model=self.model)[0]
+
 
 # ---------------------------------------------------------------- checkpointed state
 
@@ -195,10 +199,6 @@ def restore_if_resumed(run: Run, prm: Any, optimizer: torch.optim.Optimizer,
         for group in optimizer.param_groups:
             group["lr"] = s.prm_lr
     return True
-
-    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        assert self.run.policy is not None
-        return self.run.policy.logprobs(self.run, batch, model=self.model)[0]
 
 
 # ---------------------------------------------------------------- hooks
