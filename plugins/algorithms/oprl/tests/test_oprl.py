@@ -224,16 +224,23 @@ def test_resume_restores_the_implicit_prm_and_its_optimizer():
 # ---------------------------------------------------------------- the example manifest
 
 
-def test_example_manifest_runs_on_tiny_random(tmp_path):
+def test_example_manifest_runs_and_resumes_on_tiny_random(tmp_path):
+    """Two steps with a checkpoint each step, then ``--resume`` to three: the real PRM (a copy
+    of the model) and its Adam state come back from the checkpoint (``oprl/restored`` on the
+    resumed step only)."""
     skip_unless_installed(EXAMPLE)
     cfg = OmegaConf.load(EXAMPLE)
     assert cfg.model == "tiny-random" and "oprl" in cfg.plugins
     out = tmp_path / "ex"
-    assert cli.main(["run", str(EXAMPLE), "train.steps=2", "arith.eval_size=2",
-                     "arith.eval_max_new_tokens=4", "sampling.max_new_tokens=6",
-                     "log.progress=false", "log.plot=false", "train.eval_every=0",
-                     f"out={out}"]) == 0
+    args = ["run", str(EXAMPLE), "arith.eval_size=2", "arith.eval_max_new_tokens=4",
+            "sampling.max_new_tokens=6", "log.progress=false", "log.plot=false",
+            "train.eval_every=0", "train.checkpoint_every=1", f"out={out}"]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    saved = torch.load(out / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+    assert saved["oprl"]["prm"] and "optimizer" in saved["oprl"]  # (no pairs: no Adam step)
+    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert "oprl/dpo_loss" in rows[-1] and "oprl/pair_accuracy" in rows[-1]
+    assert [r.get("oprl/restored", 0.0) for r in rows] == [0.0, 0.0, 1.0]
