@@ -15,6 +15,11 @@ unlabeled outputs, and audited on a held-out anchor set it never reads.
   the objective is consensus alone, which a metric with no detectors maximises: that is the
   collapse the guard prevents.
 
+Detectors come from the manifest's ``pool`` and, with ``mine > 0``, are mined from the unlabeled
+outputs themselves (``propose``: a word-boundary detector for each frequent word not yet in the
+pool), so the metric can find drawbacks nobody listed. ``EvolvedMetric`` is the lifecycle in
+one object (mine, evolve, score, audit), used by the hook and by any harness loop as its score.
+
 Hooks: ``rlmix_score`` returns the term ``score`` (the metric on each completion); every
 ``evolve_every`` steps the metric first evolves ``rounds`` rounds with the batch's texts as the
 unlabeled outputs. The metric and its history are in ``run.state["double_ratchet"]``.
@@ -49,10 +54,14 @@ class Settings:
     guard: bool = True  # the anchor ratchet (off only for the ablation)
     seed: int = 0
     max_chars: int = 4000  # texts are cut here before detectors run
+    mine: int = 0  # words mined from the unlabeled outputs into the pool per evolution (0: off)
+    mine_min_share: float = 0.05  # a mined word appears in at least this share of outputs
 
     def __post_init__(self) -> None:
         if self.rounds < 0 or self.evolve_every < 0 or self.consensus_weight < 0:
             raise ValueError("rounds, evolve_every and consensus_weight must be >= 0")
+        if self.mine < 0 or not 0 <= self.mine_min_share <= 1:
+            raise ValueError("mine must be >= 0 and mine_min_share in [0, 1]")
         for p in self.pool:
             try:
                 re.compile(p)
@@ -156,13 +165,80 @@ def evolve(metric: Metric, pool: Sequence[str], anchors: Sequence[Anchor],
     return current, counts
 
 
+# ---------------------------------------------------------------- mining and the lifecycle
+
+
+def propose(texts: Sequence[str], pool: Sequence[str], limit: int,
+            min_share: float = 0.05) -> list[str]:
+    """Up to ``limit`` new detectors mined from unlabeled outputs: ``\\bword\\b`` for the
+    lower-case words (letters only, 3+ characters) found in at least ``min_share`` of the
+    texts, most frequent first (ties alphabetical), skipping patterns already in ``pool``."""
+    if limit <= 0 or not texts:
+        return []
+    counts: dict[str, int] = {}
+    for t in texts:
+        for w in set(re.findall(r"[a-z]{3,}", t.lower())):
+            counts[w] = counts.get(w, 0) + 1
+    known = set(pool)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = []
+    for word, n in ranked:
+        pattern = rf"\b{word}\b"
+        if n / len(texts) >= min_share and pattern not in known:
+            out.append(pattern)
+        if len(out) >= limit:
+            break
+    return out
+
+
+class EvolvedMetric:
+    """The metric's lifecycle: a pool (given, plus words mined from unlabeled outputs), a
+    weighted detector set evolved against ``anchors`` with consensus on the unlabeled outputs,
+    and an audit on ``heldout``, which nothing here reads except ``audit()``. Use ``step`` then
+    ``score`` as a harness loop's score, or through the ``rlmix_score`` hook."""
+
+    def __init__(self, anchors: Sequence[Anchor], heldout: Sequence[Anchor] = (),
+                 pool: Sequence[str] = (), *, rounds: int = 30, consensus_weight: float = 0.1,
+                 guard: bool = True, mine: int = 0, mine_min_share: float = 0.05,
+                 max_chars: int = 4000, metric: Metric | None = None) -> None:
+        self.anchors, self._heldout = list(anchors), list(heldout)
+        self.pool = list(pool)
+        self.rounds, self.consensus_weight, self.guard = rounds, consensus_weight, guard
+        self.mine, self.mine_min_share, self.max_chars = mine, mine_min_share, max_chars
+        self.metric: Metric = dict(metric or {})
+        self.counts = {"kept": 0, "refused": 0, "guarded": 0, "mined": 0}
+
+    def step(self, unlabeled: Sequence[str], rng: random.Random) -> Metric:
+        """Mine new detectors from ``unlabeled`` (when ``mine``), then evolve ``rounds``
+        mutations with ``unlabeled`` as the consensus set."""
+        texts = [t[:self.max_chars] for t in unlabeled]
+        mined = propose(texts, self.pool, self.mine, self.mine_min_share)
+        self.pool += mined
+        self.metric, counts = evolve(self.metric, self.pool, self.anchors, texts, self.rounds,
+                                     rng, self.consensus_weight, self.guard)
+        for k, v in counts.items():
+            self.counts[k] += v
+        self.counts["mined"] += len(mined)
+        return self.metric
+
+    def score(self, texts: Sequence[str]) -> list[float]:
+        return score_texts(self.metric, texts, self.max_chars)
+
+    def fit(self) -> float:
+        return anchor_agreement(self.metric, self.anchors)
+
+    def audit(self) -> float | None:
+        """Agreement on the held-out anchor set (``None`` without one)."""
+        return anchor_agreement(self.metric, self._heldout) if self._heldout else None
+
+
 # ---------------------------------------------------------------- hooks
 
 
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s: Settings = run.settings(NAME)
-    if s.pool and not s.anchors:
+    if (s.pool or s.mine) and not s.anchors:
         raise rlmix.ConfigError("double_ratchet.anchors: the metric needs an anchored "
                                 "reference set (items {text, score})")
     heldout = {a["text"] for a in s.heldout}
@@ -175,18 +251,22 @@ def rlmix_configure(run: Run) -> None:
 def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     s: Settings = run.settings(NAME)
     state = run.state.setdefault(NAME, {"metric": {}, "evolutions": 0})
+    lifecycle = EvolvedMetric(s.anchors, s.heldout, [*s.pool, *state.get("mined", [])],
+                              rounds=s.rounds, consensus_weight=s.consensus_weight,
+                              guard=s.guard, mine=s.mine, mine_min_share=s.mine_min_share,
+                              max_chars=s.max_chars, metric=state["metric"])
     due = state["evolutions"] == 0 or (s.evolve_every > 0 and run.step % s.evolve_every == 0)
     if due and s.rounds:
-        rng = random.Random(s.seed * 1_000_003 + run.step)
-        state["metric"], counts = evolve(state["metric"], s.pool, s.anchors,
-                                         [t[:s.max_chars] for t in batch.texts], s.rounds, rng,
-                                         s.consensus_weight, s.guard)
+        lifecycle.step(batch.texts, random.Random(s.seed * 1_000_003 + run.step))
+        state["metric"] = lifecycle.metric
+        state["mined"] = lifecycle.pool[len(s.pool):]
         state["evolutions"] += 1
-        run.log(f"{NAME}/kept", float(counts["kept"]))
-        run.log(f"{NAME}/guarded", float(counts["guarded"]))
-    metric = state["metric"]
-    run.log(f"{NAME}/detectors", float(len(metric)))
-    run.log(f"{NAME}/anchor_agreement", anchor_agreement(metric, s.anchors))
-    if s.heldout:
-        run.log(f"{NAME}/audit", anchor_agreement(metric, s.heldout))
-    return {"score": torch.tensor(score_texts(metric, batch.texts, s.max_chars))}
+        run.log(f"{NAME}/kept", float(lifecycle.counts["kept"]))
+        run.log(f"{NAME}/guarded", float(lifecycle.counts["guarded"]))
+        run.log(f"{NAME}/mined", float(lifecycle.counts["mined"]))
+    run.log(f"{NAME}/detectors", float(len(lifecycle.metric)))
+    run.log(f"{NAME}/anchor_agreement", lifecycle.fit())
+    audit = lifecycle.audit()
+    if audit is not None:
+        run.log(f"{NAME}/audit", audit)
+    return {"score": torch.tensor(lifecycle.score(batch.texts))}

@@ -94,6 +94,24 @@ def test_hook_evolves_then_scores_and_logs_the_audit():
     assert run.state["double_ratchet"]["evolutions"] == 1
 
 
+def test_hook_mines_detectors_from_the_batch_and_keeps_them_in_state():
+    overrides = ["double_ratchet.mine=4", "double_ratchet.rounds=60",
+                 'double_ratchet.anchors=[{text: ok, score: 1.0}, {text: a crash, score: 0.0},'
+                 ' {text: a note, score: 1.0}]']
+    run = make_run({"double_ratchet": dr}, overrides)
+    dr.rlmix_configure(run)
+    batch = make_batch(n_groups=1, group_size=4)
+    batch.texts = ["crash here", "a note", "fine", "crash and note"]
+    loop.score(run, batch)
+    state = run.state["double_ratchet"]
+    assert r"\bcrash\b" in state["mined"] and run.pending_metrics["double_ratchet/mined"] >= 2
+    assert r"\bcrash\b" in state["metric"] and r"\bnote\b" not in state["metric"]
+    assert batch.reward_terms["double_ratchet.score"].tolist()[1:3] == [1.0, 1.0]
+    run_no_anchor = make_run({"double_ratchet": dr}, ["double_ratchet.mine=4"])
+    with pytest.raises(rlmix.ConfigError, match="anchors"):
+        dr.rlmix_configure(run_no_anchor)
+
+
 # ---------------------------------------------------------------- the claim
 
 DRAWBACKS = ["crash", "leak", "typo"]  # each costs a third of the true quality
@@ -107,7 +125,6 @@ INSTRUCTIONS = {
     "proofread": {"typo": 0.1, "aside": 0.8}, "terse": {"note": 0.0, "tip": 0.0, "crash": 0.9},
     "plain": {"remark": 0.0, "aside": 0.0, "leak": 0.9}, "quiet": {"remark": 0.0, "typo": 0.9},
 }
-POOL = DRAWBACKS + NEUTRAL + ["the", "and"]
 
 
 def probs(harness: frozenset[str]) -> dict[str, float]:
@@ -144,11 +161,15 @@ def anchor_set(seed: int, size: int = 10) -> list[dict]:
 def harness_loop(scorer: str, seed: int, rounds: int = 24, per_eval: int = 24):
     """Hill climbing on the harness: each round toggles one random instruction and keeps it
     when the mean score of ``per_eval`` outputs rises (the same random draws for the current
-    and the candidate harness). ``scorer``: truth | evolved | unguarded. Returns the held-out
-    lift (expected true quality, final minus start), the metric and the metric calls."""
+    and the candidate harness). ``scorer``: truth | evolved | unguarded. The metric is the
+    plugin's ``EvolvedMetric`` with **no given pool**: its detectors are mined from the round's
+    unlabeled outputs (every word is a candidate: the drawbacks, the neutral words, "the",
+    "and"), then 30 mutations against 10 anchors. Returns the held-out lift (expected true
+    quality, final minus start), the metric, the scorer calls and the audit."""
     rng = random.Random(seed)
     anchors, heldout = anchor_set(seed), anchor_set(seed + 1000)
-    metric: dict[str, float] = {}
+    metric = dr.EvolvedMetric(anchors, heldout, pool=[], rounds=30, guard=scorer == "evolved",
+                              mine=8)
     harness: frozenset[str] = frozenset()
     calls = 0
     for r in range(rounds):
@@ -160,15 +181,37 @@ def harness_loop(scorer: str, seed: int, rounds: int = 24, per_eval: int = 24):
         if scorer == "truth":
             old = sum(map(true_quality, mine)) / per_eval
             new = sum(map(true_quality, theirs)) / per_eval
-        else:  # co-evolution: the metric evolves on this round's unlabeled outputs first
-            metric, _ = dr.evolve(metric, POOL, anchors, mine + theirs, 30,
-                                  random.Random(seed * 100 + r), guard=scorer == "evolved")
-            old = sum(dr.score_texts(metric, mine)) / per_eval
-            new = sum(dr.score_texts(metric, theirs)) / per_eval
+        else:  # co-evolution: the metric mines and evolves on this round's outputs first
+            metric.step(mine + theirs, random.Random(seed * 100 + r))
+            old = sum(metric.score(mine)) / per_eval
+            new = sum(metric.score(theirs)) / per_eval
         if new > old:
             harness = cand
     lift = expected_quality(harness) - expected_quality(frozenset())
-    return lift, metric, calls, dr.anchor_agreement(metric, heldout)
+    return lift, metric.metric, calls, metric.audit()
+
+
+def test_propose_mines_frequent_words_not_in_the_pool():
+    texts = ["the crash and a typo", "the note", "the crash", "ok"]
+    assert dr.propose(texts, [], 3) == [r"\bthe\b", r"\bcrash\b", r"\band\b"]
+    assert dr.propose(texts, [r"\bthe\b"], 2, min_share=0.5) == [r"\bcrash\b"]
+    assert dr.propose(texts, [], 0) == [] and dr.propose([], [], 5) == []
+    assert dr.fires(r"\bcrash\b", "a Crash!") and not dr.fires(r"\bcrash\b", "crashes")
+
+
+def test_the_lifecycle_never_reads_the_heldout_anchor():
+    anchors, unlabeled = anchor_set(0), outputs(frozenset(), 24, random.Random(1))
+    runs = []
+    inverted = [{"text": "a crash", "score": 1.0}, {"text": "fine", "score": 0.0}]
+    for heldout in (anchor_set(1000), inverted, []):
+        m = dr.EvolvedMetric(anchors, heldout, pool=[], rounds=30, mine=8)
+        for r in range(3):
+            m.step(unlabeled, random.Random(r))
+        runs.append((m.metric, m.audit()))
+    assert runs[0][0] == runs[1][0] == runs[2][0]  # the same metric whatever the audit set
+    assert r"\bcrash\b" in runs[0][0]
+    # the audit only reports: a true held-out set agrees, an inverted one disagrees fully
+    assert runs[0][1] >= 0.65 and runs[1][1] == 0.0 and runs[2][1] is None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -178,7 +221,10 @@ def test_claim_evolved_metric_keeps_the_lift_unguarded_collapses(seed):
     assert t_calls == e_calls  # the same loop budget
     assert truth > 0.3  # the loop can lift the held-out quality
     assert evolved >= 0.8 * truth
-    assert set(metric) == set(DRAWBACKS)  # the drawback detectors, no neutral word
+    # found among mined words: every drawback detector, at most one neutral word, no filler
+    drawbacks = {rf"\b{d}\b" for d in DRAWBACKS}
+    assert drawbacks <= set(metric) and len(set(metric) - drawbacks) <= 1
+    assert not {r"\bthe\b", r"\band\b"} & set(metric)
     unguarded, loose, u_calls, loose_audit = harness_loop("unguarded", seed)
     assert u_calls == t_calls
     assert loose == {} and abs(unguarded) <= 0.1 * truth  # collapsed: vacuous, no lift

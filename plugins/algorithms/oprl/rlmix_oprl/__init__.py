@@ -17,6 +17,10 @@ The PRM starts as a copy of the policy, the reference is a frozen copy of the st
 Other engines, or tests, can put their own in ``run.resources``: ``"oprl.prm"`` (an object
 with ``logprobs(batch) -> [N, T]`` differentiable in its ``parameters()``) and
 ``"oprl.ref_logprobs"`` (``fn(batch) -> [N, T]``).
+
+The PRM's weights and its optimiser's state are checkpointed: ``run.plugin_state("oprl")``
+points at the live state dicts after every update, and a restored state (a resumed run) is
+loaded into the live PRM and optimiser before the next update.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from rlmix.types import RolloutBatch, Run
 
 NAME = "oprl"
 STEP_REWARD_KEY = "oprl.step_reward"
+_SYNCED = "oprl.synced"  # run.resources: the state dict this plugin last put in run.state
 
 
 @dataclass
@@ -135,9 +140,65 @@ class ModelPRM:
     def parameters(self) -> Any:
         return self.model.parameters()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> Any:
+        return self.model.load_state_dict(state)
+
     def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         assert self.run.policy is not None
         return self.run.policy.logprobs(self.run, batch, model=self.model)[0]
+
+
+# ---------------------------------------------------------------- checkpointed state
+
+
+def prm_state(prm: Any) -> Any:
+    """The PRM's weights as live references: its ``state_dict()`` when it has one, else the
+    list of its parameters (``torch.save`` copies their values when the core checkpoints)."""
+    if hasattr(prm, "state_dict"):
+        return prm.state_dict()
+    return [p.detach() for p in prm.parameters()]
+
+
+def load_prm_state(prm: Any, saved: Any) -> None:
+    """Put saved weights (from ``prm_state``) back into the live PRM."""
+    if isinstance(saved, dict) and hasattr(prm, "load_state_dict"):
+        prm.load_state_dict(saved)
+        return
+    params = list(prm.parameters())
+    if len(params) != len(saved):
+        raise RuntimeError(f"oprl: the checkpoint holds {len(saved)} PRM tensors, the PRM has "
+                           f"{len(params)}")
+    with torch.no_grad():
+        for p, v in zip(params, saved):
+            p.copy_(v)
+
+
+def sync_state(run: Run, prm: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point ``run.plugin_state("oprl")`` (checkpointed by the core) at the live PRM weights and
+    optimiser state."""
+    state = run.plugin_state(NAME)
+    state.clear()
+    state.update({"prm": prm_state(prm), "optimizer": optimizer.state_dict()})
+    run.resources[_SYNCED] = state
+
+
+def restore_if_resumed(run: Run, prm: Any, optimizer: torch.optim.Optimizer,
+                       s: Settings) -> bool:
+    """When ``run.state["oprl"]`` is not the state this plugin last wrote (a checkpoint was
+    restored since), load its PRM weights and optimiser state into the live ones (the
+    manifest's ``prm_lr`` wins over the saved one). Returns whether it loaded anything."""
+    saved = run.state.get(NAME)
+    if saved is None or saved is run.resources.get(_SYNCED) or "prm" not in saved:
+        return False
+    load_prm_state(prm, saved["prm"])
+    if saved.get("optimizer"):
+        optimizer.load_state_dict(saved["optimizer"])
+        for group in optimizer.param_groups:
+            group["lr"] = s.prm_lr
+    return True
 
 
 # ---------------------------------------------------------------- hooks
@@ -171,6 +232,8 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
         ref = ref_fn(batch).detach().to(mask.dtype)
     pairs = preference_pairs(batch.rewards, batch.group, s.max_pairs)
     optimizer = run.resources["oprl.optimizer"]
+    if restore_if_resumed(run, prm, optimizer, s):
+        run.log(f"{NAME}/restored", 1.0)
     loss_value = 0.0
     for _ in range(s.prm_steps if pairs else 0):
         loss = dpo_loss(sequence_log_ratio(prm.logprobs(batch).to(mask.dtype), ref, mask),
@@ -182,6 +245,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     with torch.no_grad():
         r = step_rewards(prm.logprobs(batch).to(mask.dtype), ref, mask, s.beta)
     batch.extras[STEP_REWARD_KEY] = r
+    sync_state(run, prm, optimizer)
     run.log(f"{NAME}/dpo_loss", loss_value)
     run.log(f"{NAME}/pairs", float(len(pairs)))
     run.log(f"{NAME}/pair_accuracy", pair_order_accuracy(r.sum(-1), pairs))

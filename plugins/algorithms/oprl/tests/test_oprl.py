@@ -5,6 +5,7 @@ held-out pairs ordered by summed step rewards), and the example manifest on tiny
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 from pathlib import Path
@@ -174,19 +175,72 @@ def test_claim_step_credit_lands_on_the_deciding_position(seed):
     assert run.pending_metrics["oprl/pairs"] >= 0
 
 
+# ---------------------------------------------------------------- checkpoint and resume
+
+
+def _oprl_toy_run(start: ToyPolicy, prm: TablePRM):
+    run = make_run({"pg": GroupNormPG(), "oprl": oprl},
+                   ["oprl.alpha=3.0", "oprl.prm_lr=0.05", "oprl.beta=1.0"])
+    reference = copy.deepcopy(start)
+    run.resources["oprl.ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
+    run.resources["oprl.prm"] = prm
+    oprl.rlmix_configure(run)
+    return run
+
+
+def test_resume_restores_the_implicit_prm_and_its_optimizer():
+    start = ToyPolicy(vocab=6, length=4, seed=3)
+    run = _oprl_toy_run(start, TablePRM(start))
+    policy = copy.deepcopy(start)
+    toy_train(run, policy, deciding_reward, steps=8, lr=0.05, n_prompts=4, group_size=8)
+    trained = run.resources["oprl.prm"].table.logits.detach().clone()
+    assert not torch.equal(trained, start.logits)  # the PRM learned something
+    saved = io.BytesIO()
+    torch.save(run.state, saved)  # what the core's checkpoint writes (state.pt)
+    # the resumed run: configure builds a fresh PRM from the starting policy, then the core
+    # restores run.state; the next advantage call must continue from the checkpointed PRM
+    resumed = _oprl_toy_run(start, TablePRM(start))
+    saved.seek(0)
+    resumed.state.clear()
+    resumed.state.update(torch.load(saved, weights_only=False))
+    cold = _oprl_toy_run(start, TablePRM(start))  # the old behaviour: the state is lost
+    batch = policy.sample(4, 8)
+    batch.rewards = deciding_reward(batch)
+    adv = {name: r.hook.rlmix_advantage(run=r, batch=copy.deepcopy(batch))
+           for name, r in (("live", run), ("resumed", resumed), ("cold", cold))}
+    assert resumed.pending_metrics["oprl/restored"] == 1.0
+    assert "oprl/restored" not in run.pending_metrics  # the live run is not reloaded
+    live_prm = run.resources["oprl.prm"].table.logits
+    torch.testing.assert_close(resumed.resources["oprl.prm"].table.logits, live_prm)
+    torch.testing.assert_close(adv["resumed"], adv["live"])
+    assert not torch.allclose(adv["cold"], adv["live"])
+    # Adam's moments came back too (step count and state), not only the weights
+    steps = [int(v["step"]) for v in resumed.resources["oprl.optimizer"].state.values()]
+    assert steps and steps == [int(v["step"]) for v in run.resources["oprl.optimizer"]
+                               .state.values()]
+    assert resumed.state["oprl"]["prm"][0] is not None  # and the live state is synced again
+
+
 # ---------------------------------------------------------------- the example manifest
 
 
-def test_example_manifest_runs_on_tiny_random(tmp_path):
+def test_example_manifest_runs_and_resumes_on_tiny_random(tmp_path):
+    """Two steps with a checkpoint each step, then ``--resume`` to three: the real PRM (a copy
+    of the model) and its Adam state come back from the checkpoint (``oprl/restored`` on the
+    resumed step only)."""
     skip_unless_installed(EXAMPLE)
     cfg = OmegaConf.load(EXAMPLE)
     assert cfg.model == "tiny-random" and "oprl" in cfg.plugins
     out = tmp_path / "ex"
-    assert cli.main(["run", str(EXAMPLE), "train.steps=2", "arith.eval_size=2",
-                     "arith.eval_max_new_tokens=4", "sampling.max_new_tokens=6",
-                     "log.progress=false", "log.plot=false", "train.eval_every=0",
-                     f"out={out}"]) == 0
+    args = ["run", str(EXAMPLE), "arith.eval_size=2", "arith.eval_max_new_tokens=4",
+            "sampling.max_new_tokens=6", "log.progress=false", "log.plot=false",
+            "train.eval_every=0", "train.checkpoint_every=1", f"out={out}"]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    saved = torch.load(out / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+    assert saved["oprl"]["prm"] and "optimizer" in saved["oprl"]  # (no pairs: no Adam step)
+    assert cli.main([*args, "train.steps=3", "--resume"]) == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert "oprl/dpo_loss" in rows[-1] and "oprl/pair_accuracy" in rows[-1]
+    assert [r.get("oprl/restored", 0.0) for r in rows] == [0.0, 0.0, 1.0]

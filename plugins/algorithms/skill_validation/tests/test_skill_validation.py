@@ -5,7 +5,6 @@ vs admit-all with a half-helpful, half-harmful generator), and the example manif
 from __future__ import annotations
 
 import json
-import random
 import re
 from pathlib import Path
 
@@ -65,39 +64,51 @@ def test_admit_threshold_all_and_bank_cap():
 # ---------------------------------------------------------------- a world where skills matter
 
 
+METHODS = ["split", "guess", "reverse", "sort"]
+
+
+def good_method(topic: int) -> str:
+    """The one method that works on topic ``topic`` (the others rarely do)."""
+    return METHODS[(topic * 3 + 1) % len(METHODS)]
+
+
 class SkillWorld:
-    """Env, rollout engine and scorer at once. Tasks "solve topic tN"; a completion is "1"
-    (success) with probability 0.3 + 0.2 per helpful skill - 0.2 per harmful skill listed in
-    its prompt (clipped to [0.05, 0.95]). ``generated`` counts completions."""
+    """Env, rollout engine and scorer at once. Tasks "solve topic tN". A completion tries one
+    method and says so ("tried sort: ok"); the topic's good method succeeds with probability
+    0.8, any other with 0.1. The engine follows the skills in its prompt: when skills "use M on
+    tN" for its topic are listed, it takes the last one listed with probability 0.8 (the
+    latest instruction wins), else it picks a method uniformly. ``generated`` counts
+    completions."""
 
     def __init__(self, seed: int = 0, topics: int = 4) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.topics = topics
         self.generated = 0
-        self.requests: list[list[str]] = []
 
     @rlmix.hookimpl
     def rlmix_prompts(self, run, step):
         size = int(run.config.train.prompts_per_step)
         topics = [(step * size + i) % self.topics for i in range(size)]
-        return [Prompt(messages=[{"role": "user", "content": f"solve topic t{t}"}], answer=1,
+        return [Prompt(messages=[{"role": "user", "content": f"solve topic t{t}"}], answer=t,
                        id=f"{step}-{i}") for i, t in enumerate(topics)]
 
-    @staticmethod
-    def rate(text: str) -> float:
-        helpful = len(re.findall(r"^- helpful", text, re.M))
-        harmful = len(re.findall(r"^- harmful", text, re.M))
-        return min(0.95, max(0.05, 0.3 + 0.2 * helpful - 0.2 * harmful))
+    def _draw(self) -> float:
+        return float(torch.rand(1, generator=self.gen))
+
+    def attempt(self, prompt) -> str:
+        topic = int(prompt.answer)
+        told = re.findall(rf"^- use (\w+) on t{topic}\b", prompt.messages[-1]["content"], re.M)
+        if told and self._draw() < 0.8:
+            method = told[-1]
+        else:
+            method = METHODS[int(self._draw() * len(METHODS)) % len(METHODS)]
+        ok = self._draw() < (0.8 if method == good_method(topic) else 0.1)
+        return f"tried {method}: {'ok' if ok else 'fail'}"
 
     @rlmix.hookimpl
     def rlmix_generate(self, run, request: GenerationRequest):
-        texts, rows = [], []
-        for p in request.prompts:
-            rate = self.rate(p.messages[-1]["content"])
-            self.requests.append([p.messages[-1]["content"]] * request.n)
-            for _ in range(request.n):
-                texts.append("1" if float(torch.rand(1, generator=self.gen)) < rate else "0")
-                rows.append(p)
+        rows = [p for p in request.prompts for _ in range(request.n)]
+        texts = [self.attempt(p) for p in rows]
         n = len(texts)
         self.generated += n
         cmask = torch.tensor([[0.0, 1.0]]).repeat(n, 1)
@@ -110,23 +121,33 @@ class SkillWorld:
 
     @rlmix.hookimpl
     def rlmix_score(self, run, batch):
-        return {"correct": torch.tensor([float(t == "1") for t in batch.texts])}
+        return {"correct": torch.tensor([float(t.endswith(": ok")) for t in batch.texts])}
 
 
-def half_and_half(seed: int):
-    """A candidate generator whose skills are exactly half helpful, half harmful: each pair of
-    calls gives one of each, in a random order."""
-    rng = random.Random(seed)
-    count = {"n": 0}
-    pair: list[str] = []
+def helpful(skill: str) -> bool:
+    topic, method = re.search(r"t(\d+)", skill), re.search(r"use (\w+)", skill)
+    return bool(topic and method) and method.group(1) == good_method(int(topic.group(1)))
+
+
+def careless_inducer():
+    """A candidate generator induced from the base half: it reads the base attempts and writes
+    "use M on tN" for the method of the best-scored attempt. Every other call it misreads the
+    attempt and names the next method in the list instead (a defect of the generator, as a
+    model's induced skills are of mixed utility): about half its candidates are harmful.
+    ``calls`` records (helpful, base texts) per call."""
+    calls: list[tuple[bool, list[str]]] = []
 
     def generate(prompt, texts, rewards):
-        count["n"] += 1
-        if not pair:
-            pair.extend(rng.sample(["helpful", "harmful"], 2))
-        kind = pair.pop()
-        return f"{kind} skill {count['n']} for {prompt.messages[-1]['content'].split()[-1]}"
+        topic = int(prompt.answer)
+        best = max(range(len(texts)), key=lambda i: (rewards[i], -i))
+        method = re.match(r"tried (\w+)", texts[best]).group(1)
+        if len(calls) % 2 == 1:  # the misreading
+            method = METHODS[(METHODS.index(method) + 1) % len(METHODS)]
+        skill = f"use {method} on t{topic}"
+        calls.append((helpful(skill), list(texts)))
+        return skill
 
+    generate.calls = calls
     return generate
 
 
@@ -137,7 +158,7 @@ def _run(admit: str, seed: int, steps: int, prompts: int = 4, group: int = 8,
                    [f"skill_validation.admit={admit}", f"skill_validation.tau={tau}",
                     f"train.prompts_per_step={prompts}", f"train.group_size={group}",
                     "skill_validation.k=2"])
-    run.resources["skill_validation.generator"] = half_and_half(seed)
+    run.resources["skill_validation.generator"] = generator = careless_inducer()
     per_step = []
     for step in range(steps):
         run.step = step
@@ -147,7 +168,9 @@ def _run(admit: str, seed: int, steps: int, prompts: int = 4, group: int = 8,
         run.hook.rlmix_evolve(run=run, batch=batch)
         per_step.append(world.generated - before)
     bank = run.state["skill_validation"]["bank"]
-    precision = sum(s["text"].startswith("helpful") for s in bank) / max(1, len(bank))
+    precision = sum(helpful(s["text"]) for s in bank) / max(1, len(bank))
+    run.resources["generator_helpful"] = (sum(h for h, _ in generator.calls) /
+                                          max(1, len(generator.calls)))
     return precision, per_step, bank, world, run
 
 
@@ -204,20 +227,38 @@ def test_settings_are_checked():
 # ---------------------------------------------------------------- the claim
 
 
+def test_the_inducer_reads_the_base_half():
+    gen = careless_inducer()
+    prompt = Prompt(messages=[{"role": "user", "content": "solve topic t1"}], answer=1)
+    texts = ["tried split: fail", "tried sort: ok", "tried guess: ok"]
+    assert gen(prompt, texts, [0.0, 1.0, 1.0]) == "use sort on t1"  # the best attempt
+    assert gen(prompt, texts, [0.0, 1.0, 1.0]) == "use split on t1"  # misread: the next one
+    assert gen(prompt, texts, [1.0, 0.0, 0.0]) == "use split on t1"
+    assert [h for h, _ in gen.calls] == [good_method(1) == m for m in ("sort", "split",
+                                                                         "split")]
+
+
 def test_claim_validated_bank_is_mostly_helpful_admit_all_is_not():
-    """Four seeds, 15 steps of 4 prompts x 16 (halves of 8), tau 0.15: the validated banks,
-    pooled, are >= 0.8 helpful; admitting every candidate gives the generator's 0.5."""
-    steps, helpful, stored = 15, 0, 0
+    """Four seeds, 15 steps of 4 prompts x 16 (halves of 8), tau 0.15, the careless inducer
+    (about half its candidates harmful): the validated banks, pooled, are >= 0.8 helpful;
+    admit-all stores exactly what the generator wrote, pooled <= 0.5 helpful."""
+    steps = 15
+    v_helpful = v_stored = a_helpful = a_stored = 0
     for seed in range(4):
         validated, v_steps, v_bank, _, _ = _run("validated", seed, steps, group=16, tau=0.15)
-        admit_all, a_steps, a_bank, _, _ = _run("all", seed, steps, group=16, tau=0.15)
+        admit_all, a_steps, a_bank, _, a_run = _run("all", seed, steps, group=16, tau=0.15)
         assert v_steps == a_steps == [64] * steps  # G x P per step in both arms
-        assert len(a_bank) == 4 * steps and len(v_bank) >= 8
-        assert admit_all <= 0.5  # the generator's own rate
-        assert validated > admit_all + 0.2  # every seed
-        helpful += sum(s["text"].startswith("helpful") for s in v_bank)
-        stored += len(v_bank)
-    assert helpful / stored >= 0.8
+        assert len(a_bank) == 4 * steps and len(v_bank) >= 4
+        # admit-all keeps the generator's own rate, about half helpful on every seed
+        assert admit_all == pytest.approx(a_run.resources["generator_helpful"])
+        assert 0.3 <= admit_all <= 0.6
+        assert validated > admit_all + 0.25  # every seed
+        v_helpful += sum(helpful(s["text"]) for s in v_bank)
+        v_stored += len(v_bank)
+        a_helpful += sum(helpful(s["text"]) for s in a_bank)
+        a_stored += len(a_bank)
+    assert v_helpful / v_stored >= 0.8
+    assert a_helpful / a_stored <= 0.5
 
 
 # ---------------------------------------------------------------- the example manifest

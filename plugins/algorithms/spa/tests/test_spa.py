@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 import rlmix
 from rlmix import cli, ops
-from rlmix.testing import ToyPolicy, make_batch, make_run, skip_unless_installed, toy_train
-from rlmix.types import LossTerms
+from rlmix.testing import ToyPolicy, make_batch, make_run, skip_unless_installed
+from rlmix.types import LossTerms, Minibatch, Normalizers
 
 EXAMPLE = Path(spa.__file__).parents[4] / "examples" / "rewards" / "spa-arith.yaml"
 
@@ -122,7 +122,11 @@ def world_reward(batch):
     return (draws[:, DECIDES] == RIGHT).float()
 
 
-def _train(arm: str, seed: int, alpha: float = 0.5, steps: int = 60):
+def _train(arm: str, seed: int, alpha: float = 0.5, steps: int = 40, lr: float = 1.0):
+    """``arm``: spa (owns the advantage, pg keeps the clip) | grpo. Plain SGD on the toy's
+    logits (Adam's per-parameter scaling hides differences in advantage scale: README).
+    Returns the first step whose 5-step mean reward is >= 0.9, the valid-action rate per
+    step, the first rollouts and the run."""
     plugins = {"pg": GroupNormPG()}
     if arm == "spa":
         plugins["spa"] = spa  # after pg: owns rlmix_advantage, pg keeps the clip
@@ -130,30 +134,44 @@ def _train(arm: str, seed: int, alpha: float = 0.5, steps: int = 60):
                  "spa.feature_dim=256"]
     run = make_run(plugins, overrides if arm == "spa" else [])
     policy = ToyPolicy(vocab=6, length=4, seed=seed)
-    valid, first = [], []
-
-    def reward(batch):
-        r = world_reward(batch)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
+    history, valid, first = [], [], None
+    for step in range(steps):
+        run.step = step
+        batch = policy.sample(4, 8)
+        if first is None:
+            first = batch.tokens.clone()
+        batch.rewards = world_reward(batch)
+        history.append(float(batch.rewards.mean()))
         valid.append(float((batch.tokens[:, 1:] != INVALID).float().mean()))
-        if not first:
-            first.append(batch.tokens.clone())
-        return r
-
-    history = toy_train(run, policy, reward, steps=steps, lr=0.05, n_prompts=4, group_size=8)
+        batch.advantages = run.hook.rlmix_advantage(run=run, batch=batch)
+        logp, entropy = policy.logprobs(batch)
+        norm = Normalizers(tokens=float(batch.completion_mask.sum()), sequences=32.0,
+                           norm_constant=4.0)
+        terms = run.hook.rlmix_clip(run=run, mb=Minibatch(batch=batch, normalizers=norm),
+                                    logp=logp, entropy=entropy)
+        loss = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, norm)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
     reached = next((i for i in range(len(history))
                     if sum(history[max(0, i - 4):i + 1]) / len(history[max(0, i - 4):i + 1])
                     >= 0.9), None)
-    return reached, valid, first[0], run
+    return reached, valid, first, run
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_claim_deciding_step_ranks_first_and_grounding_raises_validity(seed):
+def test_claim_deciding_step_first_grounding_and_speed_against_grpo(seed):
+    """One test, four arms from the same seed at the same budget (40 steps of 4 x 8, SGD lr
+    1): SPA (alpha 0.5), SPA without g_t (alpha 0, the ablation), outcome-only GRPO, and GRPO
+    at twice the step size (the control that explains the speed-up, README)."""
     s_reached, s_valid, s_first, run = _train("spa", seed)
     a_reached, a_valid, a_first, _ = _train("spa", seed, alpha=0.0)  # ablation: no g_t
     g_reached, g_valid, g_first, _ = _train("grpo", seed)
-    assert torch.equal(s_first, g_first) and torch.equal(a_first, g_first)  # same rollouts
-    assert len(s_valid) == len(a_valid) == len(g_valid) == 60  # same budget
+    g2_reached, _, g2_first, _ = _train("grpo", seed, lr=2.0)
+    for other in (a_first, g_first, g2_first):
+        assert torch.equal(s_first, other)  # the same first rollouts
+    assert len(s_valid) == len(a_valid) == len(g_valid) == 40  # the same budget
     # the progress estimator credits the deciding step: it has the largest |c_t| on fresh
     # trajectories (contributions from the weights trained in the run)
     fresh = ToyPolicy(vocab=6, length=4, seed=200 + seed).sample(16, 8)
@@ -162,12 +180,15 @@ def test_claim_deciding_step_ranks_first_and_grounding_raises_validity(seed):
     contrib = spa.contributions(run.state["spa"]["weights"], feats)
     assert spa.deciding_rank(contrib, DECIDES) >= 0.9
     # the grounding signal: the valid-action rate rises faster with g_t than without
-    window = slice(10, 30)
+    window = slice(5, 20)
     mean = lambda xs: sum(xs[window]) / len(xs[window])  # noqa: E731
-    assert mean(s_valid) > mean(a_valid) + 0.05
-    assert mean(s_valid) > mean(g_valid) + 0.05
-    # both reach the target within the budget (speed vs GRPO: no consistent gain, README)
-    assert s_reached is not None and g_reached is not None
+    assert mean(s_valid) > mean(a_valid) + 0.03
+    assert mean(s_valid) > mean(g_valid) + 0.03
+    # the target in fewer steps than outcome-only GRPO at the same optimiser and step size
+    assert s_reached is not None and (g_reached is None or s_reached < g_reached)
+    # ... and GRPO at twice the step size is at least as fast: the gain is the size of the
+    # deciding step's normalised advantage, not a better direction (README)
+    assert g2_reached is not None and g2_reached <= s_reached
 
 
 # ---------------------------------------------------------------- the example manifest
