@@ -76,13 +76,13 @@ class Settings:
     python_memory_mb: int = 256  # address-space limit of one python tool call
     max_tool_chars: int = 400  # a tool result longer than this is truncated
     tool_use_term: bool = False  # also return the reward term `tool_use`
-    call_format: str = "template"  # template: the chat template's tool calls; tags: <tool>
+    call_format: str = "template"  # template: the chat template's own call syntax; tags: <tool>
     syntax: str = "auto"  # template call syntax: auto (from the template), qwen, llama3, smollm2
-    partial_credit: float = 0.0  # `correct` when the right number is in the last turn, not last
+    partial_credit: float = 0.0  # `correct` for the right number in the final turn, not its answer
     eval_size: int = 50  # held-out tasks; 0 = no evaluation
     eval_seed: int = 4321
     eval_max_new_tokens: int = 256  # model tokens over all turns of an evaluation episode
-    instructions: str = "auto"  # used when the harness has no "instructions"; auto: the format's
+    instructions: str = "auto"  # used when the harness has none; auto = the call format's default
     system: str = ""  # used when the harness has no "system"; "" = generated from `tools`
 
     def __post_init__(self) -> None:
