@@ -79,6 +79,7 @@ class Settings:
     call_format: str = "template"  # template: the chat template's own call syntax; tags: <tool>
     syntax: str = "auto"  # template call syntax: auto (from the template), qwen, llama3, smollm2
     partial_credit: float = 0.0  # `correct` for the right number in the final turn, not its answer
+    demos: int = 0  # worked examples (call, tool result, answer) as earlier turns, 0..3
     eval_size: int = 50  # held-out tasks; 0 = no evaluation
     eval_seed: int = 4321
     eval_max_new_tokens: int = 256  # model tokens over all turns of an evaluation episode
@@ -113,6 +114,8 @@ class Settings:
         syntaxes = ("auto", "qwen", "llama3", "smollm2")
         if self.syntax not in syntaxes:
             raise ValueError(f"syntax must be one of {', '.join(syntaxes)}, got {self.syntax!r}")
+        if not 0 <= self.demos <= 3:
+            raise ValueError(f"demos must be 0..3, got {self.demos}")
         if not 0.0 <= self.partial_credit <= 1.0:
             raise ValueError(f"partial_credit must be in [0, 1], got {self.partial_credit}")
 
@@ -411,11 +414,42 @@ def to_prompt(run: Run, task: str, settings: Settings, pid: str) -> Prompt:
         default_system, tools = TEMPLATE_SYSTEM, tool_schemas(list(settings.tools))
     system = run.harness.get("system") or settings.system or default_system
     instructions = run.harness.get("instructions", settings.default_instructions())
-    user = f"Compute {task}." + (f" {instructions}" if instructions else "")
-    return Prompt(messages=[{"role": "system", "content": system},
-                            {"role": "user", "content": user}],
-                  answer=calculate(task), id=pid, tools=tools,
+
+    def ask(t: str) -> dict[str, str]:
+        return {"role": "user", "content": f"Compute {t}." + (f" {instructions}"
+                                                               if instructions else "")}
+
+    messages = [{"role": "system", "content": system}]
+    for demo in _demo_tasks(run):  # worked examples first, asked the same way as the task
+        messages += [ask(demo), *demo_turns(demo, syntax, settings)[1:]]
+    return Prompt(messages=[*messages, ask(task)], answer=calculate(task), id=pid, tools=tools,
                   info={"env": NAME, "task": task, "syntax": syntax})
+
+
+def demo_turns(task: str, syntax: str, settings: Settings) -> list[dict[str, str]]:
+    """One worked example as chat turns: the question, the model's calculator call in
+    ``syntax``, the tool's result, the final answer in that format's way."""
+    result = format_number(calculate(task))
+    call = SYNTAXES[syntax].render([Call("calculator", {"expression": task})])
+    final = f"<answer>{result}</answer>" if syntax == "tags" else result
+    return [{"role": "user", "content": f"Compute {task}."},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": final}]
+
+
+def _demo_tasks(run: Run) -> list[str]:
+    """``demos`` tasks of the env's family, never held-out ones (a stream of their own)."""
+    s = run.settings(NAME)
+    if not s.demos or "calculator" not in s.tools:
+        return []
+    cache = run.state.setdefault(NAME, {})
+    if "demos" not in cache:
+        held_out = set(_eval_set(run))
+        candidates = task_set(s.eval_seed + 1, s.demos + len(held_out), s.digits, s.steps,
+                              s.operators)
+        cache["demos"] = [t for t in candidates if t not in held_out][:s.demos]
+    return cache["demos"]
 
 
 def _eval_set(run: Run) -> list[str]:

@@ -268,6 +268,7 @@ def test_episode_hook_only_for_its_own_prompts():
     ("tools.max_tool_chars=3", "max_tool_chars"), ("tools.eval_size=-1", "eval_size"),
     ("tools.colour=1", "colour"), ("tools.call_format=xml", "call_format"),
     ("tools.syntax=mistral", "syntax"), ("tools.partial_credit=2", "partial_credit"),
+    ("tools.demos=4", "demos"),
 ])
 def test_bad_settings_name_the_setting(override, name):
     with pytest.raises(rlmix.ManifestError, match=name):
