@@ -392,6 +392,10 @@ def test_scripted_tool_use_masks_the_tool_result(monkeypatch, layout):
     prompts = run.hook.rlmix_prompts(run=run, step=0)
     batch = run.generate(prompts, n=2, temperature=1.0, max_new_tokens=200)
     width = int(batch.completion_mask.sum(0).nonzero()[0])
+    # the engine rendered Prompt.tools through the template (Qwen's tools section)
+    opening = tok.decode(batch.tokens[0, :width][batch.attention_mask[0, :width].bool()])
+    if syntax != "tags":
+        assert '"calculator"' in opening and ("# Tools" in opening) == (syntax == "qwen")
     for row in range(len(batch)):
         task = batch.prompts[row].info["task"]
         result = str(calculate(task))
