@@ -181,7 +181,14 @@ class Policy:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def chat_text(self, messages: list[dict[str, str]]) -> str:
+    def chat_text(self, messages: list[dict[str, str]],
+                  tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's rendering of ``messages`` with the assistant header; ``tools``
+        (JSON-schema specs, ``Prompt.tools``) go to the template, which renders them in its own
+        format (a template without tool support ignores them)."""
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)
 

@@ -142,10 +142,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_p: float,
 
 
 def encode_prompts(run: Run, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts' chat texts, tokenised as one left-padded batch: ``(ids, attention_mask)``."""
+    """The prompts' chat texts (with their ``tools``, if any), tokenised as one left-padded
+    batch: ``(ids, attention_mask)``."""
     assert run.policy is not None
     tok = run.policy.tokenizer
-    texts = [run.policy.chat_text(p.messages) for p in prompts]
+    texts = [run.policy.chat_text(p.messages, getattr(p, "tools", None)) for p in prompts]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc["input_ids"], enc["attention_mask"]
 

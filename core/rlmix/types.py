@@ -25,12 +25,17 @@ LOSS_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-me
 @dataclass
 class Prompt:
     """One task. ``messages`` is a chat (``[{"role": ..., "content": ...}]``); ``answer`` is what
-    the env's scorer checks against; ``info`` carries anything else the env wants back."""
+    the env's scorer checks against; ``info`` carries anything else the env wants back.
+    ``tools`` (optional) are JSON-schema tool specs (``{"type": "function", "function": {...}}``,
+    as ``transformers.utils.get_json_schema`` makes them) that the engine passes to the chat
+    template (``apply_chat_template(messages, tools=...)``), so the model sees the tools in its
+    own template's format."""
 
     messages: list[dict[str, str]]
     answer: Any = None
     id: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -376,7 +381,9 @@ class Episode:
 
     * ``reset()`` is called exactly once, before the first turn, and returns the opening
       messages (``[{"role": ..., "content": ...}]``). The engine templates them with
-      ``add_generation_prompt`` exactly as a single-turn prompt.
+      ``add_generation_prompt`` exactly as a single-turn prompt, with the prompt's ``tools``
+      (``Prompt.tools``) passed to the chat template, for the opening and for every env
+      message it inserts later.
     * ``step(assistant_text)`` is called after every complete model turn, with that turn's
       decoded text (special tokens dropped). A turn cut short by the engine's token budget is
       not passed to ``step``. ``step`` must not raise on malformed model output: return the

@@ -1,7 +1,11 @@
 """Multi-turn tool use: generated multi-step arithmetic that a calculator or a sandboxed Python
 tool makes easy, driven turn by turn through ``rlmix_episode`` (``rlmix.types.Episode``).
 
-The tag format (also what the default system text tells the model)::
+The tools are Python functions (``rlmix_tools.calls``); with ``call_format: template`` (the
+default) their JSON schemas go to the model's chat template (``Prompt.tools``) and the model's
+calls are parsed in that template's own syntax (``qwen``, ``llama3``, ``smollm2``); the final
+answer is the last number of the model's last turn. With ``call_format: tags``, the tag format
+(also what that format's system text tells the model)::
 
     <tool>calculator: 482*931 + 77</tool>      one arithmetic expression
     <tool>python:
@@ -17,6 +21,7 @@ reports greedy multi-turn accuracy on a held-out set.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import random
@@ -29,6 +34,17 @@ import torch
 
 import rlmix
 from rlmix.types import Episode, Prompt, RolloutBatch, Run, StepResult
+from rlmix_tools.calls import (  # noqa: F401  (re-exported)
+    INPUT_ARGUMENT,
+    SYNTAXES,
+    Call,
+    Parsed,
+    Syntax,
+    check_arguments,
+    detect_syntax,
+    smollm2_system,
+    tool_schemas,
+)
 
 NAME = "tools"
 TOOLS = ("calculator", "python")
@@ -40,6 +56,14 @@ _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 DEFAULT_INSTRUCTIONS = ("Use a tool for every calculation, then give the final answer as "
                         "<answer>NUMBER</answer>.")
+TEMPLATE_INSTRUCTIONS = ("Use a tool for every calculation, then reply with only the final "
+                         "number.")
+TEMPLATE_SYSTEM = "You are a helpful assistant. You call tools to calculate exactly."
+CALL_FORMATS = ("template", "tags")
+#: call kinds that make a call attempt not well formed (a runtime tool error does not)
+NOT_WELL_FORMED = ("malformed", "unknown_tool", "bad_arguments")
+MAX_CALLS_PER_TURN = 4
+_NUMBERS = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w])")
 
 
 @dataclass
@@ -52,10 +76,14 @@ class Settings:
     python_memory_mb: int = 256  # address-space limit of one python tool call
     max_tool_chars: int = 400  # a tool result longer than this is truncated
     tool_use_term: bool = False  # also return the reward term `tool_use`
+    call_format: str = "template"  # template: the chat template's own call syntax; tags: <tool>
+    syntax: str = "auto"  # template call syntax: auto (from the template), qwen, llama3, smollm2
+    partial_credit: float = 0.0  # `correct` for the right number in the final turn, not its answer
+    demos: int = 0  # worked examples (call, tool result, answer) as earlier turns, 0..3
     eval_size: int = 50  # held-out tasks; 0 = no evaluation
     eval_seed: int = 4321
     eval_max_new_tokens: int = 256  # model tokens over all turns of an evaluation episode
-    instructions: str = DEFAULT_INSTRUCTIONS  # used when the harness has no "instructions"
+    instructions: str = "auto"  # used when the harness has none; auto = the call format's default
     system: str = ""  # used when the harness has no "system"; "" = generated from `tools`
 
     def __post_init__(self) -> None:
@@ -80,6 +108,21 @@ class Settings:
             raise ValueError(f"eval_size must be >= 0, got {self.eval_size}")
         if self.eval_max_new_tokens < 1:
             raise ValueError(f"eval_max_new_tokens must be >= 1, got {self.eval_max_new_tokens}")
+        if self.call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {', '.join(CALL_FORMATS)}, got "
+                             f"{self.call_format!r}")
+        syntaxes = ("auto", "qwen", "llama3", "smollm2")
+        if self.syntax not in syntaxes:
+            raise ValueError(f"syntax must be one of {', '.join(syntaxes)}, got {self.syntax!r}")
+        if not 0 <= self.demos <= 3:
+            raise ValueError(f"demos must be 0..3, got {self.demos}")
+        if not 0.0 <= self.partial_credit <= 1.0:
+            raise ValueError(f"partial_credit must be in [0, 1], got {self.partial_credit}")
+
+    def default_instructions(self) -> str:
+        if self.instructions != "auto":
+            return self.instructions
+        return TEMPLATE_INSTRUCTIONS if self.call_format == "template" else DEFAULT_INSTRUCTIONS
 
 
 # ---------------------------------------------------------------- the calculator
@@ -230,22 +273,31 @@ def _run_python(code: str, settings: Settings, info: dict[str, Any]) -> tuple[st
 
 
 class ToolEpisode(Episode):
-    """One task: the model calls tools until it writes ``<answer>...</answer>``.
+    """One task: the model calls tools until it answers.
 
-    Every call's info (``tool``, ``input``, ``result`` or ``error`` and ``kind``) goes into
-    the turn's ``StepResult.info``; a turn with neither a call nor an answer ends the episode
-    (scored 0 with the reason ``no <answer> tag``)."""
+    With the tag format the answer is ``<answer>...</answer>`` and a turn with neither a call
+    nor an answer ends the episode (scored 0, ``no <answer> tag``). With the template format
+    (``syntax`` one of ``rlmix_tools.calls.SYNTAXES``) a turn without a call attempt is the
+    final answer. Every call's info (``tool``, ``input``, ``result`` or ``error`` and
+    ``kind``) goes into the turn's ``StepResult.info`` (several calls in one turn: the first
+    call's keys and ``calls``, the list of all)."""
 
     stop_strings = STOP_STRINGS
 
-    def __init__(self, prompt: Prompt, settings: Settings) -> None:
+    def __init__(self, prompt: Prompt, settings: Settings, syntax: str = "tags") -> None:
         self.prompt = prompt
         self.settings = settings
+        self.syntax = SYNTAXES[syntax]
+        self.stop_strings = self.syntax.stop_strings
+        self.schemas = {s["function"]["name"]: s for s in tool_schemas(list(settings.tools))} \
+            if syntax != "tags" else {}
 
     def reset(self) -> list[dict[str, str]]:
         return list(self.prompt.messages)
 
     def step(self, assistant_text: str) -> StepResult:
+        if self.syntax.name != "tags":
+            return self._template_step(assistant_text)
         answer_at = assistant_text.rfind("</answer>")
         tool_at = assistant_text.rfind("</tool>")
         if answer_at >= 0 and answer_at > tool_at:
@@ -258,6 +310,37 @@ class ToolEpisode(Episode):
                               info={"tool": None, "error": call, "kind": "malformed"})
         message, info = run_tool(call, self.settings)
         return StepResult(messages=[{"role": "tool", "content": message}], info=info)
+
+    def _template_step(self, text: str) -> StepResult:
+        parsed = self.syntax.parse(text)
+        if not parsed.attempted:
+            return StepResult(done=True, info={"answer": final_answer(text)})
+        if parsed.error:
+            return StepResult(messages=[{"role": "tool", "content": f"error: {parsed.error}"}],
+                              info={"tool": None, "error": parsed.error, "kind": "malformed"})
+        messages, records = [], []
+        for call in parsed.calls[:MAX_CALLS_PER_TURN]:
+            message, info = self._execute(call)
+            messages.append({"role": "tool", "content": message})
+            records.append(info)
+        info = dict(records[0]) if len(records) == 1 else {**records[0], "calls": records}
+        return StepResult(messages=messages, info=info)
+
+    def _execute(self, call: Call) -> tuple[str, dict[str, Any]]:
+        """Check one parsed call against its tool's schema, then run it."""
+        if call.name not in self.schemas:
+            info = {"tool": call.name, "input": json.dumps(call.arguments),
+                    "error": f"unknown tool {call.name!r}", "kind": "unknown_tool"}
+            return (f"error: unknown tool {call.name!r}; available: "
+                    f"{', '.join(self.settings.tools)}", info)
+        problem = check_arguments(call, self.schemas[call.name])
+        if problem:
+            info = {"tool": call.name, "input": json.dumps(call.arguments), "error": problem,
+                    "kind": "bad_arguments"}
+            return f"error: {problem}", info
+        message, info = run_tool(ToolCall(call.name, call.arguments[INPUT_ARGUMENT[call.name]]),
+                                 self.settings)
+        return message, info
 
 
 # ---------------------------------------------------------------- tasks
@@ -306,13 +389,67 @@ def system_text(tools: list[str]) -> str:
     return "\n".join(lines)
 
 
+def call_syntax(run: Run) -> str:
+    """The run's call syntax: ``tags``, or the template syntax (``tools.syntax``, or detected
+    from the policy's chat template; ``smollm2`` when there is no tokenizer)."""
+    s = run.settings(NAME)
+    if s.call_format == "tags":
+        return "tags"
+    if s.syntax != "auto":
+        return s.syntax
+    cache = run.state.setdefault(NAME, {})
+    if "syntax" not in cache:
+        cache["syntax"] = detect_syntax(run.tokenizer)
+    return cache["syntax"]
+
+
 def to_prompt(run: Run, task: str, settings: Settings, pid: str) -> Prompt:
-    system = run.harness.get("system") or settings.system or system_text(list(settings.tools))
-    instructions = run.harness.get("instructions", settings.instructions)
-    user = f"Compute {task}." + (f" {instructions}" if instructions else "")
-    return Prompt(messages=[{"role": "system", "content": system},
-                            {"role": "user", "content": user}],
-                  answer=calculate(task), id=pid, info={"env": NAME, "task": task})
+    syntax = call_syntax(run)
+    tools: list[dict[str, Any]] | None = None
+    if syntax == "tags":
+        default_system = system_text(list(settings.tools))
+    elif syntax == "smollm2":  # the template renders no tools: the system message teaches them
+        default_system = smollm2_system(tool_schemas(list(settings.tools)))
+    else:  # the template renders the tools and teaches its own call format
+        default_system, tools = TEMPLATE_SYSTEM, tool_schemas(list(settings.tools))
+    system = run.harness.get("system") or settings.system or default_system
+    instructions = run.harness.get("instructions", settings.default_instructions())
+
+    def ask(t: str) -> dict[str, str]:
+        return {"role": "user", "content": f"Compute {t}." + (f" {instructions}"
+                                                               if instructions else "")}
+
+    messages = [{"role": "system", "content": system}]
+    for demo in _demo_tasks(run):  # worked examples first, asked the same way as the task
+        messages += [ask(demo), *demo_turns(demo, syntax, settings)[1:]]
+    return Prompt(messages=[*messages, ask(task)], answer=calculate(task), id=pid, tools=tools,
+                  info={"env": NAME, "task": task, "syntax": syntax})
+
+
+def demo_turns(task: str, syntax: str, settings: Settings) -> list[dict[str, str]]:
+    """One worked example as chat turns: the question, the model's calculator call in
+    ``syntax``, the tool's result, the final answer in that format's way."""
+    result = format_number(calculate(task))
+    call = SYNTAXES[syntax].render([Call("calculator", {"expression": task})])
+    final = f"<answer>{result}</answer>" if syntax == "tags" else result
+    return [{"role": "user", "content": f"Compute {task}."},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": final}]
+
+
+def _demo_tasks(run: Run) -> list[str]:
+    """``demos`` tasks of the env's family, never held-out ones (a stream of their own)."""
+    s = run.settings(NAME)
+    if not s.demos or "calculator" not in s.tools:
+        return []
+    cache = run.state.setdefault(NAME, {})
+    if "demos" not in cache:
+        held_out = set(_eval_set(run))
+        candidates = task_set(s.eval_seed + 1, s.demos + len(held_out), s.digits, s.steps,
+                              s.operators)
+        cache["demos"] = [t for t in candidates if t not in held_out][:s.demos]
+    return cache["demos"]
 
 
 def _eval_set(run: Run) -> list[str]:
@@ -326,12 +463,8 @@ def _eval_set(run: Run) -> list[str]:
 # ---------------------------------------------------------------- scoring
 
 
-def parse_answer(text: str) -> int | float | None:
-    """The number in the last ``<answer>...</answer>`` (commas and spaces dropped), or None."""
-    found = _ANSWER.findall(text)
-    if not found:
-        return None
-    raw = found[-1].strip().replace(",", "").replace(" ", "")
+def _number(raw: str) -> int | float | None:
+    raw = raw.strip().replace(",", "").replace(" ", "")
     if not _NUMBER.match(raw):
         return None
     value = float(raw)
@@ -339,41 +472,113 @@ def parse_answer(text: str) -> int | float | None:
         else value
 
 
+def parse_answer(text: str) -> int | float | None:
+    """The number in the last ``<answer>...</answer>`` (commas and spaces dropped), or None."""
+    found = _ANSWER.findall(text)
+    return _number(found[-1]) if found else None
+
+
+def numbers_in(text: str) -> list[int | float]:
+    """Every number written in ``text`` (``1,234`` is one number), in order."""
+    return [v for v in (_number(m) for m in _NUMBERS.findall(text)) if v is not None]
+
+
+def final_answer(text: str) -> int | float | None:
+    """The final answer of a template-format turn: the number in its last ``<answer>`` tag if
+    it has one, else the last number it writes."""
+    if "<answer>" in text:
+        return parse_answer(text)
+    found = numbers_in(text)
+    return found[-1] if found else None
+
+
+def _same(a: int | float, b: int | float) -> bool:
+    return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(b)))
+
+
+def _call_records(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for t in turns:
+        info = t.get("info") or {}
+        if "tool" in info:
+            out += info.get("calls") or [info]
+    return out
+
+
 def grade(model_text: str, turns: list[dict[str, Any]], target: int | float,
-          multi_turn: bool) -> dict[str, Any]:
-    """One sample's verdict: ``correct``, ``format``, ``tool_use`` (0/1) and why."""
-    calls = [t["info"] for t in turns if "tool" in t.get("info", {})]
+          multi_turn: bool, syntax: str = "tags", partial_credit: float = 0.0
+          ) -> dict[str, Any]:
+    """One sample's verdict: ``correct``, ``format``, ``tool_use`` (0/1), ``well_formed_call``
+    (1 when at least one call was well formed: it parsed, named a tool and fit its schema),
+    ``exact`` and why. Tags: the answer is the last ``<answer>`` of the model's text and
+    ``format`` is 1 for a numeric answer with no malformed call. Template syntaxes: the answer
+    is the final turn's (``final_answer``; a turn cut short or a call attempt is no answer),
+    ``format`` is the share of call attempts that were well formed (0 with none), and
+    ``correct`` is 1 for the exact answer, ``partial_credit`` when the target is a number
+    written in the final turn but not its answer."""
+    calls = _call_records(turns)
     errors = [c for c in calls if c.get("error")]
-    malformed = [c for c in errors if c.get("kind") in ("malformed", "unknown_tool")]
-    answer = parse_answer(model_text)
-    if "<answer>" not in model_text:
-        reason = "no <answer> tag"
+    malformed = [c for c in errors if c.get("kind") in NOT_WELL_FORMED]
+    well_formed = len(calls) - len(malformed)
+    final = ""
+    if syntax == "tags":
+        answer = parse_answer(model_text)
+        missing = "<answer>" not in model_text
+    else:
+        if multi_turn:
+            last = turns[-1] if turns else {}
+            final = last.get("assistant", "") if "answer" in (last.get("info") or {}) else ""
+        elif not SYNTAXES[syntax].parse(model_text).attempted:
+            final = model_text
+        answer = final_answer(final) if final else None
+        missing = not final
+    if missing:
+        reason = "no <answer> tag" if syntax == "tags" else "no final answer"
     elif answer is None:
         reason = "answer is not a number"
-    elif abs(float(answer) - float(target)) <= 1e-9 * max(1.0, abs(float(target))):
+    elif _same(answer, target):
         reason = "correct"
     else:
         reason = "wrong answer"
-    return {"target": target, "answer": answer, "reason": reason,
-            "correct": float(reason == "correct"),
-            "format": float(answer is not None and not malformed),
+    exact = float(reason == "correct")
+    if syntax == "tags":
+        fmt = float(answer is not None and not malformed)
+        correct = exact
+    else:
+        fmt = well_formed / len(calls) if calls else 0.0
+        near = not exact and any(_same(v, target) for v in numbers_in(final))
+        correct = exact or (partial_credit if near else 0.0)
+    return {"target": target, "answer": answer, "reason": reason, "exact": exact,
+            "correct": float(correct), "format": float(fmt),
             "tool_use": float(any(not c.get("error") for c in calls)),
+            "well_formed_call": float(well_formed > 0),
             "tool_calls": len(calls), "tool_errors": len(errors), "multi_turn": multi_turn,
-            "calls": [{k: c[k] for k in ("tool", "input", "result", "error") if k in c}
+            "syntax": syntax,
+            "calls": [{k: c[k] for k in ("tool", "input", "result", "error", "kind") if k in c}
                       for c in calls]}
 
 
-def grade_batch(batch: RolloutBatch) -> list[dict[str, Any]]:
+def grade_batch(batch: RolloutBatch, partial_credit: float = 0.0) -> list[dict[str, Any]]:
     """Grade every row: from the episode record when the engine ran turns (model text only,
-    so a tool's output can never supply the answer), otherwise from the completion text."""
+    so a tool's output can never supply the answer), otherwise from the completion text (a
+    call is then counted but was never run)."""
     out = []
     for text, info, prompt in zip(batch.texts, batch.info, batch.prompts):
+        syntax = prompt.info.get("syntax", "tags")
         episode = info.get("episode")
         if isinstance(episode, dict) and "turns" in episode:
             out.append(grade(episode.get("model_text", ""), episode["turns"], prompt.answer,
-                             True))
+                             True, syntax, partial_credit))
         else:
-            out.append(grade(text, [], prompt.answer, False))
+            turns = []
+            if syntax != "tags":
+                parsed = SYNTAXES[syntax].parse(text)
+                if parsed.attempted:
+                    turns = [{"assistant": text, "info": {
+                        "tool": parsed.calls[0].name if parsed.calls else None,
+                        "input": "", "error": parsed.error or "not run (single turn)",
+                        "kind": "malformed" if parsed.error else "not_run"}}]
+            out.append(grade(text, turns, prompt.answer, False, syntax, partial_credit))
     return out
 
 
@@ -383,6 +588,7 @@ def grade_batch(batch: RolloutBatch) -> list[dict[str, Any]]:
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     _eval_set(run)
+    call_syntax(run)
 
 
 @rlmix.hookimpl
@@ -406,15 +612,19 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
 def rlmix_episode(run: Run, prompt: Prompt) -> Episode | None:
     if prompt.info.get("env") != NAME:
         return None
-    return ToolEpisode(prompt, run.settings(NAME))
+    return ToolEpisode(prompt, run.settings(NAME), prompt.info.get("syntax", "tags"))
 
 
 @rlmix.hookimpl
 def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     s = run.settings(NAME)
-    verdicts = grade_batch(batch)
+    verdicts = grade_batch(batch, s.partial_credit)
     for info, verdict in zip(batch.info, verdicts):
         info[NAME] = verdict
+    if verdicts:  # written with the step's metrics line
+        run.log(f"{NAME}/well_formed_call", sum(v["well_formed_call"] for v in verdicts)
+                / len(verdicts))
+        run.log(f"{NAME}/accuracy", sum(v["exact"] for v in verdicts) / len(verdicts))
     terms = {"correct": torch.tensor([v["correct"] for v in verdicts]),
              "format": torch.tensor([v["format"] for v in verdicts])}
     if s.tool_use_term:
@@ -430,11 +640,13 @@ def rlmix_evaluate(run: Run) -> dict[str, float]:
         return {}
     prompts = [to_prompt(run, t, s, f"{NAME}-eval-{i}") for i, t in enumerate(tasks)]
     batch = run.generate(prompts, temperature=0.0, max_new_tokens=s.eval_max_new_tokens)
-    verdicts = grade_batch(batch)
+    verdicts = grade_batch(batch, s.partial_credit)
     calls = sum(v["tool_calls"] for v in verdicts)
-    return {"accuracy": sum(v["correct"] for v in verdicts) / len(verdicts),
-            "format": sum(v["format"] for v in verdicts) / len(verdicts),
-            "tool_use": sum(v["tool_use"] for v in verdicts) / len(verdicts),
-            "tool_calls": calls / len(verdicts),
+    n = len(verdicts)
+    return {"accuracy": sum(v["exact"] for v in verdicts) / n,
+            "format": sum(v["format"] for v in verdicts) / n,
+            "well_formed_call": sum(v["well_formed_call"] for v in verdicts) / n,
+            "tool_use": sum(v["tool_use"] for v in verdicts) / n,
+            "tool_calls": calls / n,
             "tool_error_rate": (sum(v["tool_errors"] for v in verdicts) / calls) if calls
             else 0.0}

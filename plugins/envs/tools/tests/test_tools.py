@@ -31,6 +31,7 @@ from rlmix.types import Prompt, RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[4]
 EXAMPLE = ROOT / "examples" / "envs" / "tools.yaml"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
 # ---------------------------------------------------------------- the calculator
@@ -219,7 +220,8 @@ def test_score_reads_model_text_only_and_fills_info():
 
 
 def test_prompts_are_deterministic_held_out_and_built_from_the_harness():
-    run = make_run({"tools": rlmix_tools}, ["train.prompts_per_step=16", "tools.eval_size=40"])
+    run = make_run({"tools": rlmix_tools}, ["train.prompts_per_step=16", "tools.eval_size=40",
+                                            "tools.call_format=tags"])
     rlmix_tools.rlmix_configure(run)
     first = run.hook.rlmix_prompts(run=run, step=3)
     again = run.hook.rlmix_prompts(run=run, step=3)
@@ -264,7 +266,9 @@ def test_episode_hook_only_for_its_own_prompts():
     ("tools.tools=[calculator,search]", "tools"), ("tools.python_timeout_s=0",
                                                    "python_timeout_s"),
     ("tools.max_tool_chars=3", "max_tool_chars"), ("tools.eval_size=-1", "eval_size"),
-    ("tools.colour=1", "colour"),
+    ("tools.colour=1", "colour"), ("tools.call_format=xml", "call_format"),
+    ("tools.syntax=mistral", "syntax"), ("tools.partial_credit=2", "partial_credit"),
+    ("tools.demos=4", "demos"),
 ])
 def test_bad_settings_name_the_setting(override, name):
     with pytest.raises(rlmix.ManifestError, match=name):
@@ -277,11 +281,27 @@ def test_bad_settings_name_the_setting(override, name):
 rlmix_hf = pytest.importorskip("rlmix_hf")
 
 
-def scripted(tok, uses_tool=True):
+#: per call syntax: how the scripted policy calls the calculator, where the chat template puts
+#: the tool's result, and how it answers
+FORMATS = {
+    "tags": (lambda task: f"I will use the calculator. <tool>calculator: {task}</tool>",
+             r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", lambda v: f"<answer>{v}</answer>"),
+    "smollm2": (lambda task: '<tool_call>[{"name": "calculator", "arguments": {"expression": "'
+                + task + '"}}]</tool_call>', r"<\|im_start\|>tool\n(.*?)<\|im_end\|>",
+                lambda v: f"The answer is {v}."),
+    "qwen": (lambda task: '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+             + task + '"}}\n</tool_call>', r"<tool_response>\n(.*?)\n</tool_response>",
+             lambda v: f"The answer is {v}."),
+}
+
+
+def scripted(tok, uses_tool=True, syntax="tags"):
     """A stand-in for ``rlmix_hf.sample_tokens``: a policy that reads the task from its context
     and either calls the calculator, then answers with the tool's result (``uses_tool``), or
-    answers at once with a mental estimate (operands rounded to one significant digit). It
-    honours EOS and ``stop_fn`` like the real sampler; log-probs are -0.5 per token."""
+    answers at once with a mental estimate (operands rounded to one significant digit), in
+    ``syntax``'s format. It honours EOS and ``stop_fn`` like the real sampler; log-probs are
+    -0.5 per token."""
+    call_text, result_pattern, answer_text = FORMATS[syntax]
 
     def estimate(task):
         rounded = re.sub(r"\d+", lambda m: str(round(int(m.group()), 1 - len(m.group()))),
@@ -294,13 +314,13 @@ def scripted(tok, uses_tool=True):
         for row in range(ids.shape[0]):
             context = tok.decode(ids[row][attn[row].bool()])
             task = re.findall(r"Compute (.+?)\.", context)[-1]
-            results = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", context)
+            results = re.findall(result_pattern, context, re.S)
             if uses_tool and not results:
-                text = f"I will use the calculator. <tool>calculator: {task}</tool>"
+                text = call_text(task)
             elif uses_tool:
-                text = f"<answer>{results[-1]}</answer>"
+                text = answer_text(results[-1])
             else:
-                text = f"<answer>{format(estimate(task))}</answer>"
+                text = answer_text(format(estimate(task)))
             wanted += [tok(text, add_special_tokens=False)["input_ids"]] * n
         rows = len(wanted)
         done = torch.zeros(rows, dtype=torch.bool)
@@ -322,10 +342,14 @@ def scripted(tok, uses_tool=True):
     return fake
 
 
-def tools_run(*overrides):
-    return make_run({"hf": rlmix_hf, "tools": rlmix_tools},
-                    ["train.prompts_per_step=3", "tools.eval_size=6", *overrides],
-                    with_policy=True)
+def tools_run(*overrides, template=None):
+    """A run with the tiny policy; ``template`` replaces its chat template (a fixture file)."""
+    run = make_run({"hf": rlmix_hf, "tools": rlmix_tools},
+                   ["train.prompts_per_step=3", "tools.eval_size=6", *overrides],
+                   with_policy=True)
+    if template is not None:
+        run.tokenizer.chat_template = (TEMPLATES / template).read_text()
+    return run
 
 
 def spans(mask_row, attn_row):
@@ -342,14 +366,36 @@ def spans(mask_row, attn_row):
     return [tuple(s) for s in out]
 
 
-def test_scripted_tool_use_masks_the_tool_result(monkeypatch):
-    run = tools_run()
+#: (syntax, run overrides, chat template fixture, what the template puts around a tool result)
+LAYOUTS = {
+    "tags": ("tags", ["tools.call_format=tags"], None,
+             ("<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")),
+    "smollm2": ("smollm2", [], "smollm2_135m.jinja",
+                ("<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")),
+    "qwen": ("qwen", [], "qwen2_5.jinja",
+             ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+              "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_scripted_tool_use_masks_the_tool_result(monkeypatch, layout):
+    """Every row: the model's call (mask 1), the env span the chat template renders around the
+    tool result (mask 0, behaviour log-prob 0), the model's answer (mask 1)."""
+    syntax, overrides, template, (before, after) = LAYOUTS[layout]
+    run = tools_run(*overrides, template=template)
     rlmix_tools.rlmix_configure(run)
+    assert rlmix_tools.call_syntax(run) == syntax
     tok = run.tokenizer
-    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(tok))
+    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(tok, syntax=syntax))
+    call_text, _, answer_text = FORMATS[syntax]
     prompts = run.hook.rlmix_prompts(run=run, step=0)
     batch = run.generate(prompts, n=2, temperature=1.0, max_new_tokens=200)
     width = int(batch.completion_mask.sum(0).nonzero()[0])
+    # the engine rendered Prompt.tools through the template (Qwen's tools section)
+    opening = tok.decode(batch.tokens[0, :width][batch.attention_mask[0, :width].bool()])
+    if syntax != "tags":
+        assert '"calculator"' in opening and ("# Tools" in opening) == (syntax == "qwen")
     for row in range(len(batch)):
         task = batch.prompts[row].info["task"]
         result = str(calculate(task))
@@ -359,11 +405,11 @@ def test_scripted_tool_use_masks_the_tool_result(monkeypatch):
         assert [v for v, _, _ in runs] == [1, 0, 1]
         (_, a0, a1), (_, t0, t1), (_, b0, b1) = runs
         region = batch.tokens[row, width:]
-        assert tok.decode(region[a0:a1]) == f"I will use the calculator. <tool>calculator: " \
-                                            f"{task}</tool>"
-        assert tok.decode(region[t0:t1]) == (f"<|im_end|>\n<|im_start|>tool\n{result}"
-                                             f"<|im_end|>\n<|im_start|>assistant\n")
-        assert tok.decode(region[b0:b1]) == f"<answer>{result}</answer>"
+        assert tok.decode(region[a0:a1]) == call_text(task)
+        assert tok.decode(region[t0:t1]) == f"{before}{result}{after}"
+        # tags: the turn stops at </answer>; template: the final turn ends with the EOS
+        assert tok.decode(region[b0:b1]) == answer_text(result) + (
+            "" if syntax == "tags" else "<|im_end|>")
         # behaviour log-probs only on model tokens
         assert (batch.behavior_logp[row, width:][t0:t1] == 0).all()
         assert (batch.behavior_logp[row, width:][a0:a1] == -0.5).all()
@@ -372,27 +418,32 @@ def test_scripted_tool_use_masks_the_tool_result(monkeypatch):
     assert terms["format"].tolist() == [1.0] * len(batch)
     assert batch.info[0]["tools"]["calls"][0]["result"] == str(calculate(
         batch.prompts[0].info["task"]))
+    assert run.drain_metrics()["tools/well_formed_call"] == 1.0
 
 
-def test_claim_in_miniature_the_calculator_solves_what_estimates_cannot(monkeypatch):
+@pytest.mark.parametrize("layout", ["tags", "qwen"])
+def test_claim_in_miniature_the_calculator_solves_what_estimates_cannot(monkeypatch, layout):
     """Products of 3-digit numbers: a policy that calls the calculator answers every held-out
     task; the same policy answering from a one-significant-digit estimate answers none."""
-    run = tools_run("tools.operators='*'")
+    syntax, overrides, template, _ = LAYOUTS[layout]
+    run = tools_run("tools.operators='*'", *overrides, template=template)
     rlmix_tools.rlmix_configure(run)
-    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(run.tokenizer, uses_tool=True))
+    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(run.tokenizer, True, syntax))
     with_tool = rlmix_tools.rlmix_evaluate(run)
-    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(run.tokenizer, uses_tool=False))
+    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(run.tokenizer, False, syntax))
     without = rlmix_tools.rlmix_evaluate(run)
     assert with_tool["accuracy"] == 1.0 and with_tool["tool_use"] == 1.0
     assert with_tool["tool_calls"] == 1.0 and with_tool["tool_error_rate"] == 0.0
-    assert without["accuracy"] == 0.0 and without["format"] == 1.0
-    assert without["tool_calls"] == 0.0
+    assert with_tool["well_formed_call"] == 1.0 and without["well_formed_call"] == 0.0
+    assert without["accuracy"] == 0.0 and without["tool_calls"] == 0.0
+    # tags: the answer tag is the format; template: a format term needs a well-formed call
+    assert without["format"] == (1.0 if syntax == "tags" else 0.0)
 
 
-def _run_example(tmp_path, *extra):
+def _run_example(tmp_path, *extra, example=EXAMPLE):
     from rlmix import cli
 
-    code = cli.main(["run", str(EXAMPLE), "model=tiny-random", "train.steps=2",
+    code = cli.main(["run", str(example), "model=tiny-random", "train.steps=2",
                      "train.prompts_per_step=2", "train.group_size=2", "tools.eval_size=2",
                      "tools.eval_max_new_tokens=24", "sampling.max_new_tokens=40",
                      "train.eval_every=0", "train.checkpoint_every=0", "log.progress=false",
@@ -423,12 +474,13 @@ def test_example_manifest_with_a_scripted_tool_user(tmp_path, monkeypatch):
 
     from rlmix.policy import byte_tokenizer
 
-    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(byte_tokenizer()))
+    monkeypatch.setattr(rlmix_hf, "sample_tokens", scripted(byte_tokenizer(), syntax="smollm2"))
     monkeypatch.setattr(rlmix_hf, "generate_episodes", record)
     rows = _run_example(tmp_path, "sampling.max_new_tokens=200", "tools.eval_max_new_tokens=200")
     trained = [r for r in rows if "reward/mean" in r]
     assert [r["reward/tools.correct"] for r in trained] == [1.0, 1.0]
-    assert rows[-1]["eval/accuracy"] == 1.0
+    assert [r["tools/well_formed_call"] for r in trained] == [1.0, 1.0]
+    assert rows[-1]["eval/accuracy"] == 1.0 and rows[-1]["eval/well_formed_call"] == 1.0
     masked_tool_tokens = 0
     tok = byte_tokenizer()
     for batch in seen:

@@ -118,7 +118,8 @@ def tools_run(tmp_path, diet):
         plugins["agent_diet"] = ad
     run = make_run(plugins, [f"out={tmp_path}", "train.prompts_per_step=4", "train.group_size=1",
                              "train.mode=harness-only", "tools.tools=[python]",
-                             "tools.max_tool_chars=2000", "tools.digits=2", "tools.eval_size=0"],
+                             "tools.max_tool_chars=2000", "tools.digits=2", "tools.eval_size=0",
+                             "tools.call_format=tags"],  # the scripted agent writes tags
                    with_policy=True)
     engine.tokenizer = run.tokenizer  # count real (byte-level) tokens
     loop.configure(run)

@@ -92,15 +92,19 @@ _SENTINEL = "<<rlmix-turn-sentinel>>"
 
 
 def continuation_text(tokenizer: Any, conversation: list[dict[str, str]],
-                      env_messages: list[dict[str, str]], ended_with: str = "") -> str:
+                      env_messages: list[dict[str, str]], ended_with: str = "",
+                      tools: list[dict[str, Any]] | None = None) -> str:
     """The text the chat template puts between the end of an assistant turn and the start of the
     next one when ``env_messages`` (tool results) come in between: the turn's closing tag, the
     env messages, and the next assistant header. Found by rendering the conversation with a
     sentinel as the assistant turn and taking what follows it. ``ended_with`` is the text of
-    the stop token the model already emitted (its EOS), which is not inserted twice."""
+    the stop token the model already emitted (its EOS), which is not inserted twice. ``tools``
+    (the prompt's tool specs) are rendered as for the opening, so the template sees the same
+    conversation it rendered the prompt from."""
+    extra = {"tools": tools} if tools else {}
     rendered = tokenizer.apply_chat_template(
         [*conversation, {"role": "assistant", "content": _SENTINEL}, *env_messages],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False, add_generation_prompt=True, **extra)
     at = rendered.rfind(_SENTINEL)
     if at < 0:
         raise RuntimeError("the chat template dropped the assistant turn; multi-turn rollouts "
@@ -146,6 +150,7 @@ class _Row:
     """One sample's episode while it runs."""
 
     episode: Any
+    prompt: Any
     prompt_ids: list[int]
     conversation: list[dict[str, str]]
     tokens: list[int]
@@ -195,8 +200,9 @@ def generate_episodes(run: Run, prompts: list[rlmix.Prompt], episodes: list[Any]
         if episode is None:
             episode = _SingleTurn(prompt.messages)
         opening = list(episode.reset())
-        ids = tok(policy.chat_text(opening), add_special_tokens=False)["input_ids"]
-        rows.append(_Row(episode, list(ids), opening, [], [], [], []))
+        ids = tok(policy.chat_text(opening, getattr(prompt, "tools", None)),
+                  add_special_tokens=False)["input_ids"]
+        rows.append(_Row(episode, prompt, list(ids), opening, [], [], [], []))
     budget_total = int(request.max_new_tokens)
     for turn in range(settings.max_turns):
         for r in rows:
@@ -261,7 +267,7 @@ def generate_episodes(run: Run, prompts: list[rlmix.Prompt], episodes: list[Any]
             closing = eos_text.get(new[-1], "") if ended == "eos" else ""
             r.conversation.append({"role": "assistant", "content": text})
             inserted = continuation_text(tok, r.conversation[:-1], list(result.messages),
-                                         closing)
+                                         closing, getattr(r.prompt, "tools", None))
             r.conversation += list(result.messages)
             inserted_ids = tok(inserted, add_special_tokens=False)["input_ids"]
             if settings.max_episode_tokens and (len(r.tokens) + len(inserted_ids)

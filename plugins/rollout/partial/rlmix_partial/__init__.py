@@ -275,7 +275,7 @@ def _stop_ids(run: Run) -> list[int]:
 
 def _prompt_ids(run: Run, prompt: Prompt) -> list[int]:
     assert run.policy is not None
-    text = run.policy.chat_text(prompt.messages)
+    text = run.policy.chat_text(prompt.messages, getattr(prompt, "tools", None))
     return list(run.policy.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

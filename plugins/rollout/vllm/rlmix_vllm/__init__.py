@@ -248,8 +248,8 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch:
     engine.wake(["kv_cache"])
     engine.asleep = False
     tok = run.policy.tokenizer
-    prompt_ids = [tok(run.policy.chat_text(p.messages), add_special_tokens=False)["input_ids"]
-                  for p in request.prompts]
+    prompt_ids = [tok(run.policy.chat_text(p.messages, getattr(p, "tools", None)),
+                      add_special_tokens=False)["input_ids"] for p in request.prompts]
     # no per-request seed: the engine's (LLM(seed=...)) keeps runs reproducible, and a shared
     # per-request seed would give identical prompts identical completions
     params = vllm.SamplingParams(**sampling_kwargs(
