@@ -201,7 +201,7 @@ def test_generated_answers_are_right():
 
 
 def test_every_generated_answer_verifies_against_itself_and_not_a_neighbour():
-    for p in generated_problems(1, 120):
+    for p in generated_problems(1, 45):  # the templates take turns: 5 of each of the 9
         assert verify_answer(f"\\boxed{{{p.answer}}}", p.answer).correct, p
         wrong = Fraction(p.answer) + 1
         assert not verify_answer(f"\\boxed{{{wrong}}}", p.answer).correct, p
@@ -475,7 +475,8 @@ def test_curriculum_problems_are_exact_distinct_and_cover_both_levels():
 
 
 def test_the_curriculum_is_selected_in_the_manifest_and_held_out_disjointly():
-    run = math_run("math.source=curriculum", "math.eval_size=100", "train.prompts_per_step=8")
+    run = math_run("math.source=curriculum", "math.eval_size=100", "math.generated_size=600",
+                   "train.prompts_per_step=8")
     rlmix_math.rlmix_configure(run)
     pools = run.resources["math"]
     assert len(pools["eval"]) == 100 and {p.steps for p in pools["eval"]} == {1, 2}
@@ -487,9 +488,10 @@ def test_the_curriculum_is_selected_in_the_manifest_and_held_out_disjointly():
     seen = {p.messages[-1]["content"].split("\n\n")[0] for step in range(30)
             for p in run.hook.rlmix_prompts(run=run, step=step)}
     assert len(seen) > 150 and not seen & held
-    hidden = math_run("math.source=curriculum", "math.worked_example=hide")
+    hidden = math_run("math.source=curriculum", "math.worked_example=hide",
+                      "math.generated_size=200")
     assert len(hidden.hook.rlmix_prompts(run=hidden, step=0)[0].messages) == 1
-    generated = math_run()  # the default source: the nine templates, no example
+    generated = math_run("math.generated_size=200")  # the default source: no example
     assert len(generated.hook.rlmix_prompts(run=generated, step=0)[0].messages) == 1
 
 
