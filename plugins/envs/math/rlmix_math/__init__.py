@@ -3,7 +3,8 @@
 as ``eval/accuracy``.
 
 Problems come from the user's JSONL / parquet file (``math.data_files``, read through
-``datasets``) or, with no file, from a seeded generator of templated word problems.
+``datasets``), from a seeded generator of templated word problems, or from the generated
+curriculum of one- and two-step problems (``math.source: curriculum``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 import rlmix
 from rlmix.types import Prompt, RolloutBatch, Run
+from rlmix_math.curriculum import EXAMPLE, curriculum_problems
 from rlmix_math.problems import (
     Problem,
     generated_problems,
@@ -34,6 +36,9 @@ NAME = "math"
 
 @dataclass
 class Settings:
+    # where problems come from: files (data_files), generated (nine templates), curriculum
+    # (one- and two-step word problems); auto = files when data_files is set, else generated
+    source: str = "auto"
     data_files: str = ""  # JSONL / JSON / parquet path(s), comma-separated; "" = generated set
     data_format: str = "auto"  # auto (from the extension) | json | parquet
     loader: str = "datasets"  # datasets (datasets.load_dataset) | builtin (json / pyarrow)
@@ -50,10 +55,29 @@ class Settings:
     max_chars: int = 2000  # longest text handed to the verifier
     require_boxed: bool = False  # True: no \boxed{} answer scores correct = 0
     instructions: str = "Solve the problem. Put the final answer in \\boxed{}."
+    curriculum_levels: str = "1,2"  # curriculum: which step counts, comma-separated (1, 2)
+    curriculum_max: int = 20  # curriculum: the largest operand a template draws
+    # curriculum: training steps over which two-step problems phase in (their share of the
+    # prompts rises linearly from 0 to their share of the pool); 0 = mixed from the start
+    curriculum_ramp: int = 0
+    # a worked example (a problem and its boxed answer, as an earlier chat turn) before the
+    # task: auto = shown for the curriculum
+    worked_example: str = "auto"
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, data_format=("auto", "json", "parquet"),
-                            loader=("datasets", "builtin"))
+                            loader=("datasets", "builtin"),
+                            source=("auto", "files", "generated", "curriculum"),
+                            worked_example=("auto", "show", "hide"))
+        if self.source == "files" and not self.data_files:
+            raise ValueError("source: files needs data_files")
+        if not self.levels or any(level not in (1, 2) for level in self.levels):
+            raise ValueError(f"curriculum_levels must list 1 and/or 2, got "
+                             f"{self.curriculum_levels!r}")
+        if self.curriculum_max < 3:
+            raise ValueError("curriculum_max must be >= 3")
+        if self.curriculum_ramp < 0:
+            raise ValueError("curriculum_ramp must be >= 0 (0 = no ramp)")
         if self.eval_size < 0:
             raise ValueError("eval_size must be >= 0")
         if self.generated_size < 2:
@@ -66,11 +90,31 @@ class Settings:
         if not self.question_field or not self.answer_field:
             raise ValueError("question_field and answer_field must be non-empty")
 
+    @property
+    def levels(self) -> tuple[int, ...]:
+        try:
+            return tuple(sorted({int(x) for x in str(self.curriculum_levels).split(",")
+                                 if x.strip()}))
+        except ValueError:
+            return ()
+
+    @property
+    def kind(self) -> str:
+        """The source in effect: files, generated or curriculum."""
+        if self.source != "auto":
+            return self.source
+        return "files" if self.data_files else "generated"
+
+    @property
+    def shows_example(self) -> bool:
+        return self.worked_example == "show" or (self.worked_example == "auto"
+                                                and self.kind == "curriculum")
+
 
 def problem_pools(settings: Settings) -> tuple[list[Problem], list[Problem]]:
     """``(train, held_out)`` for these settings: the user's file or the generated set, split by
     a seeded permutation (deterministic, disjoint by question)."""
-    if settings.data_files:
+    if settings.kind == "files":
         rows = read_rows(settings.data_files, settings.data_format, settings.loader,
                          settings.cache_dir or None)
         problems = rows_to_problems(rows, settings.question_field, settings.answer_field,
@@ -79,6 +123,9 @@ def problem_pools(settings: Settings) -> tuple[list[Problem], list[Problem]]:
             raise rlmix.ConfigError(f"math.data_files: no row of {settings.data_files} has both "
                                     f"a {settings.question_field!r} and an "
                                     f"{settings.answer_field!r}")
+    elif settings.kind == "curriculum":
+        problems = curriculum_problems(settings.seed, settings.generated_size, settings.levels,
+                                       settings.curriculum_max)
     else:
         problems = generated_problems(settings.seed, settings.generated_size)
     return split(problems, settings.eval_size, settings.seed)
@@ -92,15 +139,24 @@ def _pools(run: Run) -> dict[str, list[Problem]]:
     return pools
 
 
-def to_prompt(run: Run, problem: Problem, instructions: str, pid: str) -> Prompt:
-    """A chat asking for ``problem``, built from the harness (``system``, ``instructions``)."""
+def to_prompt(run: Run, problem: Problem, instructions: str, pid: str,
+              example: bool = False) -> Prompt:
+    """A chat asking for ``problem``, built from the harness (``system``, ``instructions``);
+    with ``example``, a worked two-step problem and its boxed answer as an earlier turn."""
     instr = run.harness.get("instructions", instructions)
-    user = f"{problem.question}\n\n{instr}" if instr else problem.question
+
+    def ask(question: str) -> str:
+        return f"{question}\n\n{instr}" if instr else question
+
     messages = []
     if run.harness.get("system"):
         messages.append({"role": "system", "content": run.harness["system"]})
-    messages.append({"role": "user", "content": user})
-    return Prompt(messages=messages, answer=problem.answer, id=pid)
+    if example:
+        messages.append({"role": "user", "content": ask(EXAMPLE[0])})
+        messages.append({"role": "assistant", "content": EXAMPLE[1]})
+    messages.append({"role": "user", "content": ask(problem.question)})
+    info = {"steps": problem.steps} if problem.steps else {}
+    return Prompt(messages=messages, answer=problem.answer, id=pid, info=info)
 
 
 def check(texts: list[str], answers: list[str], settings: Settings) -> list[Verdict]:
@@ -139,8 +195,23 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
     k = int(run.config.train.prompts_per_step)
     # one stream per step: a resumed run sees exactly the prompts it would have seen
     rng = random.Random(f"math-{run.config.train.seed}-{step}")
-    chosen = rng.sample(train, k) if k <= len(train) else rng.choices(train, k=k)
-    return [to_prompt(run, p, s.instructions, f"train-{step}-{i}") for i, p in enumerate(chosen)]
+    if s.kind == "curriculum" and s.curriculum_ramp > 0:
+        chosen = _ramped(rng, train, k, min(1.0, step / s.curriculum_ramp))
+    else:
+        chosen = rng.sample(train, k) if k <= len(train) else rng.choices(train, k=k)
+    return [to_prompt(run, p, s.instructions, f"train-{step}-{i}", s.shows_example)
+            for i, p in enumerate(chosen)]
+
+
+def _ramped(rng: random.Random, train: list[Problem], k: int, progress: float) -> list[Problem]:
+    """``k`` problems where two-step ones make up ``progress`` times their share of the pool
+    (the rest one-step): the curriculum's ramp."""
+    one = [p for p in train if p.steps == 1]
+    two = [p for p in train if p.steps == 2]
+    if not one or not two:
+        return rng.sample(train, k) if k <= len(train) else rng.choices(train, k=k)
+    share = progress * len(two) / len(train)
+    return [rng.choice(two if rng.random() < share else one) for _ in range(k)]
 
 
 # the terms rlmix_score returns: score.weights naming another fails before the model loads
@@ -163,7 +234,8 @@ def rlmix_evaluate(run: Run) -> dict[str, float]:
     held_out = _pools(run)["eval"]
     if not held_out:
         return {}
-    prompts = [to_prompt(run, p, s.instructions, f"eval-{i}") for i, p in enumerate(held_out)]
+    prompts = [to_prompt(run, p, s.instructions, f"eval-{i}", s.shows_example)
+               for i, p in enumerate(held_out)]
     texts: list[str] = []
     for start in range(0, len(prompts), s.eval_batch_size):
         chunk = prompts[start:start + s.eval_batch_size]
@@ -172,4 +244,7 @@ def rlmix_evaluate(run: Run) -> dict[str, float]:
     verdicts = check(texts, [str(p.answer) for p in prompts], s)
     result: dict[str, Any] = {"accuracy": float(correct_reward(verdicts).mean()),
                               "format": float(format_reward(texts).mean())}
+    for level in sorted({p.steps for p in held_out} - {0}):  # the curriculum, per level
+        mine = [v.correct for v, p in zip(verdicts, held_out) if p.steps == level]
+        result[f"accuracy_{level}step"] = sum(mine) / len(mine)
     return result

@@ -21,6 +21,7 @@ ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cards", "shells",
 class Problem:
     question: str
     answer: str  # as math-verify reads it: "12", "3/4", "-5"
+    steps: int = 0  # the curriculum's level (1 or 2 operations); 0 for other sources
 
 
 def format_answer(value: Fraction | int) -> str:

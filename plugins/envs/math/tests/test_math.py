@@ -201,7 +201,7 @@ def test_generated_answers_are_right():
 
 
 def test_every_generated_answer_verifies_against_itself_and_not_a_neighbour():
-    for p in generated_problems(1, 120):
+    for p in generated_problems(1, 45):  # the templates take turns: 5 of each of the 9
         assert verify_answer(f"\\boxed{{{p.answer}}}", p.answer).correct, p
         wrong = Fraction(p.answer) + 1
         assert not verify_answer(f"\\boxed{{{wrong}}}", p.answer).correct, p
@@ -415,3 +415,117 @@ def test_an_outer_timer_is_restored():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert not fired
+
+
+# ---------------------------------------------------------------- the generated curriculum
+
+
+def _reading(question: str) -> int:
+    """An independent reading of a curriculum question: its numbers and its template's words."""
+    n = [int(x) for x in re.findall(r"\d+", question)]
+    q = question
+    if "buys" in q and "gives" in q:
+        return n[0] + n[1] - n[2]
+    if "bags with" in q:
+        return n[0] * n[1] - n[2]
+    if "pens at" in q:
+        return n[2] - n[0] * n[1]
+    if "shared equally among" in q and "then each child gives" in q:
+        return n[0] // n[1] - n[2]
+    if "more" in q and "than" in q:
+        return 2 * n[0] + n[1]
+    if "A book has" in q:
+        return n[0] - n[1] * n[2]
+    if "saves" in q:
+        return n[0] * n[1] - n[2]
+    if "gets" in q and "more" in q:
+        return n[0] + n[1]
+    if "gave" in q:
+        return n[0] - n[1]
+    if "boxes with" in q:
+        return n[0] * n[1]
+    if "shares" in q:
+        return n[0] // n[1]
+    if "reads" in q:
+        return n[0] * n[1]
+    if "change" in q:
+        return n[1] - n[0]
+    if "together" in q:
+        return n[0] + n[1]
+    raise AssertionError(f"unknown template: {question}")
+
+
+def test_curriculum_problems_are_exact_distinct_and_cover_both_levels():
+    from rlmix_math.curriculum import EXAMPLE as WORKED
+    from rlmix_math.curriculum import ONE_STEP, TWO_STEP, curriculum_problems
+
+    problems = curriculum_problems(0, 600)
+    assert problems == curriculum_problems(0, 600) != curriculum_problems(1, 600)
+    assert len({p.question for p in problems}) == 600
+    assert {p.steps for p in problems} == {1, 2}
+    assert abs(sum(p.steps == 2 for p in problems) - 300) <= 1
+    for p in problems:
+        assert p.answer == str(_reading(p.question)) and int(p.answer) >= 0, p
+        assert "Zara" not in p.question and "kites" not in p.question  # the example is apart
+    assert len(ONE_STEP) >= 5 and len(TWO_STEP) >= 5
+    small = curriculum_problems(0, 200, (1,), 6)
+    assert {p.steps for p in small} == {1}
+    assert max(int(x) for p in small for x in re.findall(r"\d+", p.question)) <= 60
+    assert verify_answer(WORKED[1], "5").correct and has_boxed_answer(WORKED[1])
+
+
+def test_the_curriculum_is_selected_in_the_manifest_and_held_out_disjointly():
+    run = math_run("math.source=curriculum", "math.eval_size=100", "math.generated_size=600",
+                   "train.prompts_per_step=8")
+    rlmix_math.rlmix_configure(run)
+    pools = run.resources["math"]
+    assert len(pools["eval"]) == 100 and {p.steps for p in pools["eval"]} == {1, 2}
+    held = {p.question for p in pools["eval"]}
+    assert not held & {p.question for p in pools["train"]}
+    prompt = run.hook.rlmix_prompts(run=run, step=0)[0]
+    assert [m["role"] for m in prompt.messages] == ["user", "assistant", "user"]
+    assert "\\boxed{5}" in prompt.messages[1]["content"] and prompt.info["steps"] in (1, 2)
+    seen = {p.messages[-1]["content"].split("\n\n")[0] for step in range(30)
+            for p in run.hook.rlmix_prompts(run=run, step=step)}
+    assert len(seen) > 150 and not seen & held
+    hidden = math_run("math.source=curriculum", "math.worked_example=hide",
+                      "math.generated_size=200")
+    assert len(hidden.hook.rlmix_prompts(run=hidden, step=0)[0].messages) == 1
+    generated = math_run("math.generated_size=200")  # the default source: no example
+    assert len(generated.hook.rlmix_prompts(run=generated, step=0)[0].messages) == 1
+
+
+def test_the_ramp_phases_two_step_problems_in():
+    run = math_run("math.source=curriculum", "math.curriculum_ramp=10",
+                   "train.prompts_per_step=40", "math.generated_size=400", "math.eval_size=40")
+
+    def share(step):
+        return sum(p.info["steps"] == 2 for p in run.hook.rlmix_prompts(run=run, step=step)) / 40
+
+    assert share(0) == 0.0
+    assert 0.05 < share(5) < 0.45
+    assert 0.3 < share(20) < 0.7
+
+
+def test_curriculum_evaluation_reports_each_level(monkeypatch):
+    run = math_run("math.source=curriculum", "math.eval_size=8", "math.generated_size=100")
+    rlmix_math.rlmix_configure(run)
+
+    def fake_generate(prompts, **kwargs):  # right on the one-step problems only
+        return SimpleNamespace(texts=[f"\\boxed{{{p.answer}}}" if p.info["steps"] == 1
+                                      else "\\boxed{-1}" for p in prompts])
+
+    monkeypatch.setattr(run, "generate", fake_generate)
+    result = rlmix_math.rlmix_evaluate(run)
+    ones = sum(p.steps == 1 for p in run.resources["math"]["eval"])
+    assert result["accuracy_1step"] == 1.0 and result["accuracy_2step"] == 0.0
+    assert result["accuracy"] == pytest.approx(ones / 8) and result["format"] == 1.0
+
+
+@pytest.mark.parametrize("override", ["math.source=web", "math.source=files",
+                                      "math.curriculum_levels=3", "math.curriculum_levels=x",
+                                      "math.curriculum_max=1", "math.curriculum_ramp=-1",
+                                      "math.worked_example=yes"])
+def test_bad_curriculum_settings_fail(override):
+    with pytest.raises(rlmix.ManifestError, match="math"):
+        math_run(override)

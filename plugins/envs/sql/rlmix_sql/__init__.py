@@ -1,7 +1,9 @@
 """Text-to-SQL on generated SQLite databases: the prompt shows the schema and a question, the
 model answers with one query in a ```sql block, and the reward ``correct`` is execution match
-against the reference query (``format``: a ```sql block is present). Greedy execution accuracy
-on held-out databases is ``eval/accuracy``.
+against the reference query (``valid``: the query runs and reads a table of the database;
+``format``: a ```sql block is present). Greedy execution accuracy on held-out databases is
+``eval/accuracy``. ``difficulty: easy`` swaps the three multi-table schemas for generated
+single-table databases and one-filter questions, and shows a worked example.
 
 Queries run read-only (``mode=ro`` file, ``PRAGMA query_only``, an authorizer that allows only
 reads), one SELECT / WITH statement at a time, under a time limit and a row cap; a query that
@@ -20,6 +22,7 @@ import torch
 
 import rlmix
 from rlmix.types import Prompt, RolloutBatch, Run
+from rlmix_sql.easy import EXAMPLE, EXAMPLE_DDL, build_easy_database, make_easy_task
 from rlmix_sql.execute import (
     QueryResult,
     extract_query,
@@ -34,13 +37,17 @@ __all__ = ["SCHEMAS", "Database", "QueryResult", "Settings", "Task", "build_data
            "same_result"]
 
 NAME = "sql"
+DIFFICULTIES = ("standard", "easy")
 
 
 @dataclass
 class Settings:
+    # standard: the three multi-table schemas and their templates (joins, group-by, order);
+    # easy: generated single-table databases, one-filter SELECTs, a worked example shown
+    difficulty: str = "standard"
     schemas: str = "company,shop,school"  # comma-separated, from: company, shop, school
-    train_databases: int = 4  # generated databases per schema that training prompts use
-    eval_databases: int = 2  # further databases per schema, used only for evaluation
+    train_databases: int = 4  # databases per schema (easy: in all) that training prompts use
+    eval_databases: int = 2  # further databases per schema (easy: in all), only for evaluation
     seed: int = 0  # database generation
     eval_size: int = 60  # held-out questions; 0 = no evaluation
     eval_seed: int = 1234
@@ -53,8 +60,13 @@ class Settings:
     db_dir: str = ""  # where database files go; "" = a temporary folder removed at exit
     instructions: str = ("Write one SQLite query that answers the question. Put it in a "
                          "```sql code block.")
+    # a worked example (question and its query, as an earlier chat turn) before the task:
+    # auto = shown when difficulty is easy
+    worked_example: str = "auto"
 
     def __post_init__(self) -> None:
+        rlmix.check_choices(self, difficulty=DIFFICULTIES,
+                            worked_example=("auto", "show", "hide"))
         names = [s.strip() for s in self.schemas.split(",") if s.strip()]
         bad = [s for s in names if s not in SCHEMAS]
         if not names or bad:
@@ -74,6 +86,11 @@ class Settings:
     def schema_names(self) -> list[str]:
         return [s.strip() for s in self.schemas.split(",") if s.strip()]
 
+    @property
+    def shows_example(self) -> bool:
+        return self.worked_example == "show" or (self.worked_example == "auto"
+                                                and self.difficulty == "easy")
+
 
 def build_databases(settings: Settings, folder: Path) -> tuple[dict[str, Database], list[str],
                                                                 list[str]]:
@@ -81,6 +98,12 @@ def build_databases(settings: Settings, folder: Path) -> tuple[dict[str, Databas
     dbs: dict[str, Database] = {}
     train, held_out = [], []
     per_schema = settings.train_databases + settings.eval_databases
+    if settings.difficulty == "easy":  # one pool of generated single-table databases
+        for i in range(per_schema):
+            db = build_easy_database(settings.seed * 10_000 + i, folder)
+            dbs[db.key] = db
+            (train if i < settings.train_databases else held_out).append(db.key)
+        return dbs, train, held_out
     for schema in settings.schema_names:
         for i in range(per_schema):
             db = build_database(schema, settings.seed * 10_000 + i, folder)
@@ -108,26 +131,44 @@ def _state(run: Run) -> dict[str, Any]:
         while held_out and len(eval_tasks) < s.eval_size and tries < 50 * s.eval_size:
             tries += 1
             key = rng.choice(held_out)
-            task = make_task(rng, dbs[key])
+            task = new_task(s, rng, dbs[key])
             if (key, task.question) not in seen:
                 seen.add((key, task.question))
                 eval_tasks.append((key, task))
+        # easy: a training prompt never shows a held-out prompt's schema and question (two
+        # generated tables can share both); standard keeps its templates' fixed questions
+        held_prompts = ({(dbs[k].schema_sql, t.question) for k, t in eval_tasks}
+                        if s.difficulty == "easy" else set())
         state = run.resources[NAME] = {"dbs": dbs, "train": train, "held_out": held_out,
-                                       "eval": eval_tasks, "folder": holder, "reference": {}}
+                                       "eval": eval_tasks, "folder": holder, "reference": {},
+                                       "held_prompts": held_prompts}
     return state
 
 
-def to_prompt(run: Run, db: Database, task: Task, instructions: str, pid: str) -> Prompt:
-    """A chat showing ``db``'s schema and ``task``'s question, built from the harness."""
+def new_task(settings: Settings, rng: random.Random, db: Database) -> Task:
+    """A question about ``db`` at the settings' difficulty."""
+    return make_easy_task(rng, db) if settings.difficulty == "easy" else make_task(rng, db)
+
+
+def _user_text(schema_sql: str, question: str, instr: str) -> str:
+    user = f"Here is an SQLite database:\n\n```sql\n{schema_sql}\n```\n\nQuestion: {question}"
+    return f"{user}\n\n{instr}" if instr else user
+
+
+def to_prompt(run: Run, db: Database, task: Task, instructions: str, pid: str,
+              example: bool = False) -> Prompt:
+    """A chat showing ``db``'s schema and ``task``'s question, built from the harness; with
+    ``example``, a worked example first (the same kind of question about a ``fruits`` table no
+    generated database has, answered by the assistant with one query in a ```sql block)."""
     instr = run.harness.get("instructions", instructions)
-    user = (f"Here is an SQLite database:\n\n```sql\n{db.schema_sql}\n```\n\n"
-            f"Question: {task.question}")
-    if instr:
-        user = f"{user}\n\n{instr}"
     messages = []
     if run.harness.get("system"):
         messages.append({"role": "system", "content": run.harness["system"]})
-    messages.append({"role": "user", "content": user})
+    if example:
+        messages.append({"role": "user",
+                         "content": _user_text(EXAMPLE_DDL, EXAMPLE.question, instr)})
+        messages.append({"role": "assistant", "content": f"```sql\n{EXAMPLE.sql}\n```"})
+    messages.append({"role": "user", "content": _user_text(db.schema_sql, task.question, instr)})
     return Prompt(messages=messages, answer=task.sql, id=pid,
                   info={"db": db.key, "ordered": task.ordered, "question": task.question})
 
@@ -135,8 +176,10 @@ def to_prompt(run: Run, db: Database, task: Task, instructions: str, pid: str) -
 def check_answer(text: str, db: Database, reference_sql: str, ordered: bool,
                  settings: Settings, reference_cache: dict[Any, QueryResult] | None = None,
                  ) -> dict[str, Any]:
-    """Score one completion: ``{"correct": bool, "query": ..., "reason": ..., ...}``."""
-    info: dict[str, Any] = {"db": db.key, "reference": reference_sql, "ordered": ordered}
+    """Score one completion: ``{"correct": bool, "valid": bool, "query": ..., "reason": ...,
+    ...}``; ``valid``: the query ran and read at least one of ``db``'s tables."""
+    info: dict[str, Any] = {"db": db.key, "reference": reference_sql, "ordered": ordered,
+                            "valid": False}
     query = extract_query(text)
     info["query"] = query
     if query is None:
@@ -156,7 +199,12 @@ def check_answer(text: str, db: Database, reference_sql: str, ordered: bool,
     match, reason = same_result(got.rows, expected.rows, ordered, settings.decimals,
                                 settings.any_column_order)
     info["rows"] = len(got.rows)
-    return {**info, "correct": match, "reason": reason}
+    # partial credit: the query ran on this database and read at least one of its tables
+    # (``SELECT 1`` runs anywhere and earns nothing)
+    valid = bool(got.tables & {t.lower() for t in db.rows})
+    if not valid and not match:
+        reason = f"{reason}; reads none of the database's tables"
+    return {**info, "correct": match, "valid": valid or match, "reason": reason}
 
 
 def _score_texts(run: Run, texts: list[str], prompts: list[Prompt]) -> list[dict[str, Any]]:
@@ -168,7 +216,7 @@ def _score_texts(run: Run, texts: list[str], prompts: list[Prompt]) -> list[dict
         key = str(prompt.info.get("db", ""))
         db = state["dbs"].get(key)
         if db is None:
-            out.append({"db": key, "query": None, "correct": False,
+            out.append({"db": key, "query": None, "correct": False, "valid": False,
                         "reason": f"unknown database {key!r} in the prompt"})
             continue
         ordered = bool(prompt.info.get("ordered", False))
@@ -193,9 +241,16 @@ def rlmix_prompts(run: Run, step: int) -> list[Prompt]:
     rng = random.Random(f"sql-{run.config.train.seed}-{step}")
     prompts = []
     for i in range(int(run.config.train.prompts_per_step)):
-        db = state["dbs"][rng.choice(state["train"])]
-        prompts.append(to_prompt(run, db, make_task(rng, db), s.instructions,
-                                 f"train-{step}-{i}"))
+        for _ in range(100):
+            db = state["dbs"][rng.choice(state["train"])]
+            task = new_task(s, rng, db)
+            if (db.schema_sql, task.question) not in state["held_prompts"]:
+                break
+        else:
+            raise rlmix.ConfigError("sql: 100 draws in a row gave a held-out prompt; use more "
+                                    "training databases (sql.train_databases)")
+        prompts.append(to_prompt(run, db, task, s.instructions, f"train-{step}-{i}",
+                                 s.shows_example))
     return prompts
 
 
@@ -205,7 +260,12 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     for info, verdict in zip(batch.info, verdicts):
         info[NAME] = verdict
     return {"correct": torch.tensor([float(v["correct"]) for v in verdicts]),
+            "valid": torch.tensor([float(v.get("valid", False)) for v in verdicts]),
             "format": torch.tensor([float(has_sql_block(t)) for t in batch.texts])}
+
+
+# the terms rlmix_score returns: score.weights naming another fails before the model loads
+RLMIX_SCORE_TERMS = ("correct", "valid", "format")
 
 
 @rlmix.hookimpl
@@ -214,8 +274,8 @@ def rlmix_evaluate(run: Run) -> dict[str, float]:
     state = _state(run)
     if not state["eval"]:
         return {}
-    prompts = [to_prompt(run, state["dbs"][key], task, s.instructions, f"eval-{i}")
-               for i, (key, task) in enumerate(state["eval"])]
+    prompts = [to_prompt(run, state["dbs"][key], task, s.instructions, f"eval-{i}",
+                         s.shows_example) for i, (key, task) in enumerate(state["eval"])]
     texts: list[str] = []
     for start in range(0, len(prompts), s.eval_batch_size):
         chunk = prompts[start:start + s.eval_batch_size]
@@ -225,4 +285,4 @@ def rlmix_evaluate(run: Run) -> dict[str, float]:
     n = len(verdicts)
     return {"accuracy": sum(v["correct"] for v in verdicts) / n,
             "format": sum(has_sql_block(t) for t in texts) / n,
-            "valid_sql": sum(v.get("rows") is not None for v in verdicts) / n}
+            "valid_sql": sum(bool(v.get("valid")) for v in verdicts) / n}

@@ -40,6 +40,7 @@ class QueryResult:
     rows: list[tuple[Any, ...]] | None  # None when the query did not run to the end
     error: str | None = None  # why it did not; None on success
     columns: int = 0
+    tables: frozenset[str] = frozenset()  # the tables the query read (from the authorizer)
 
 
 def extract_query(text: str) -> str | None:
@@ -116,6 +117,16 @@ def run_query(path: Path, sql: str, timeout_ms: int = 1000, max_rows: int = 1000
         conn = connect_read_only(path)
     except sqlite3.Error as exc:
         return QueryResult(None, f"cannot open the database: {exc}")
+    read: set[str] = set()
+
+    def authorize(action: int, arg1: str | None, arg2: str | None, db: str | None,
+                  trigger: str | None) -> int:
+        verdict = _authorize(action, arg1, arg2, db, trigger)
+        if verdict == sqlite3.SQLITE_OK and action == sqlite3.SQLITE_READ and arg1:
+            read.add(arg1.lower())
+        return verdict
+
+    conn.set_authorizer(authorize)
     deadline = time.monotonic() + timeout_ms / 1000
     timed_out = False
 
@@ -152,7 +163,7 @@ def run_query(path: Path, sql: str, timeout_ms: int = 1000, max_rows: int = 1000
         conn.close()
     if len(rows) > max_rows:
         return QueryResult(None, f"more than {max_rows} rows", columns)
-    return QueryResult([tuple(r) for r in rows], None, columns)
+    return QueryResult([tuple(r) for r in rows], None, columns, frozenset(read))
 
 
 def _has_second_statement(sql: str) -> bool:

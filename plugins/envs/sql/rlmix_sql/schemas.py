@@ -299,26 +299,35 @@ SCHEMAS: dict[str, Schema] = {
 
 @dataclass(frozen=True)
 class Database:
-    """A generated database file: ``key`` is ``<schema>-<seed>``."""
+    """A generated database file: ``key`` is ``<schema>-<seed>``. ``ddl`` holds the CREATE
+    statements when they are not the schema's fixed ones (the generated tables of
+    ``sql.difficulty: easy``), and ``spec`` what generated them."""
 
     key: str
     schema: str
     seed: int
     path: Path
     rows: Rows
+    ddl: tuple[str, ...] = ()
+    spec: Any = None
 
     @property
     def schema_sql(self) -> str:
         """The CREATE statements the prompt shows."""
-        return ";\n\n".join(SCHEMAS[self.schema].ddl) + ";"
+        return ";\n\n".join(self.ddl or SCHEMAS[self.schema].ddl) + ";"
 
 
 def build_database(schema: str, seed: int, folder: Path) -> Database:
-    """Generate ``schema``'s rows from ``seed`` and write them to ``folder/<schema>-<seed>.db``
-    (written to a temporary name and renamed, so a crash never leaves half a database)."""
+    """Generate ``schema``'s rows from ``seed`` and write them to ``folder/<schema>-<seed>.db``."""
     spec = SCHEMAS[schema]
     rows = spec.rows(random.Random(f"sql-{schema}-{seed}"))
-    key = f"{schema}-{seed}"
+    return write_database(f"{schema}-{seed}", schema, seed, folder, spec.ddl, rows)
+
+
+def write_database(key: str, schema: str, seed: int, folder: Path, ddl: tuple[str, ...],
+                   rows: Rows, spec: Any = None) -> Database:
+    """Write ``ddl`` and ``rows`` to ``folder/<key>.db`` (to a temporary name first, then
+    renamed, so a crash never leaves half a database)."""
     path = folder / f"{key}.db"
     tmp = folder / f"{key}.db.tmp-{os.getpid()}"
     tmp.unlink(missing_ok=True)
@@ -327,7 +336,7 @@ def build_database(schema: str, seed: int, folder: Path) -> Database:
         # no journal, no fsync: the file is private until the rename below
         conn.execute("PRAGMA journal_mode = OFF")
         conn.execute("PRAGMA synchronous = OFF")
-        for statement in spec.ddl:
+        for statement in ddl:
             conn.execute(statement)
         for table, table_rows in rows.items():
             if table_rows:
@@ -337,7 +346,7 @@ def build_database(schema: str, seed: int, folder: Path) -> Database:
     finally:
         conn.close()
     os.replace(tmp, path)
-    return Database(key, schema, seed, path, rows)
+    return Database(key, schema, seed, path, rows, ddl if spec is not None else (), spec)
 
 
 def make_task(rng: random.Random, db: Database) -> Task:

@@ -6,6 +6,7 @@ example manifest end to end on the tiny model."""
 from __future__ import annotations
 
 import json
+import operator
 import random
 import re
 import sqlite3
@@ -18,6 +19,7 @@ import pytest
 import rlmix_sql
 import torch
 from rlmix_sql import Settings, check_answer
+from rlmix_sql.easy import DOMAINS, build_easy_database, make_easy_task
 from rlmix_sql.execute import (
     extract_query,
     first_keyword,
@@ -347,7 +349,8 @@ def test_prompt_text_comes_from_the_harness(tmp_path):
 
 
 def test_score_terms_info_and_weights_through_the_core(tmp_path):
-    run = sql_run("train.prompts_per_step=2", "score.weights.sql.format=0.5", tmp=tmp_path)
+    run = sql_run("train.prompts_per_step=2", "score.weights.sql.format=0.5",
+                  "score.weights.sql.valid=0.25", tmp=tmp_path)
     prompts = run.hook.rlmix_prompts(run=run, step=0)
     batch = make_batch(n_groups=2, group_size=4)
     batch.prompts = [p for p in prompts for _ in range(4)]
@@ -355,8 +358,9 @@ def test_score_terms_info_and_weights_through_the_core(tmp_path):
         block(p.answer), p.answer, block("SELECT x FROM nowhere"), "no idea")]
     loop.score(run, batch)
     assert batch.reward_terms["sql.correct"].tolist() == [1, 1, 0, 0] * 2
+    assert batch.reward_terms["sql.valid"].tolist() == [1, 1, 0, 0] * 2
     assert batch.reward_terms["sql.format"].tolist() == [1, 0, 1, 0] * 2
-    torch.testing.assert_close(batch.rewards, torch.tensor([1.5, 1.0, 0.5, 0.0] * 2))
+    torch.testing.assert_close(batch.rewards, torch.tensor([1.75, 1.25, 0.5, 0.0] * 2))
     assert batch.info[0]["sql"]["reason"] == "correct"
     assert batch.info[2]["sql"]["reason"] == "sqlite error: no such table: nowhere"
     assert batch.info[3]["sql"]["reason"] == "no SQL query found"
@@ -427,7 +431,142 @@ def test_example_manifest_runs_two_steps_on_the_tiny_model(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert {"reward/sql.correct", "reward/sql.format"} <= set(steps[-1])
+    assert {"reward/sql.correct", "reward/sql.valid", "reward/sql.format"} <= set(steps[-1])
     assert "eval/accuracy" in rows[0] and "eval/valid_sql" in rows[-1]
 
 
+
+
+# ---------------------------------------------------------------- the easy end (difficulty: easy)
+
+
+def test_easy_databases_are_one_generated_table_and_deterministic(tmp_path):
+    (tmp_path / "a").mkdir()
+    a = build_easy_database(5, tmp_path / "a")
+    b = build_easy_database(5, tmp_path)
+    assert table_dump(a) == table_dump(b) == {t: list(r) for t, r in a.rows.items()}
+    assert len(a.rows) == 1 and a.schema_sql.count("CREATE TABLE") == 1
+    tables = {next(iter(build_easy_database(s, tmp_path).rows)) for s in range(30)}
+    assert len(tables) >= 5 and "fruits" not in tables  # the worked example's table is apart
+    assert "fruits" not in {d.table for d in DOMAINS}
+
+
+def test_easy_questions_are_one_filter_selects_that_answer_something(tmp_path):
+    kinds = set()
+    for seed in range(12):
+        db = build_easy_database(seed, tmp_path)
+        rng = random.Random(seed)
+        for _ in range(30):
+            task = make_easy_task(rng, db)
+            sql = task.sql.upper()
+            assert sql.startswith("SELECT ") and sql.count(" WHERE ") == 1, task
+            assert not re.search(r"\b(JOIN|AND|OR|GROUP|ORDER)\b", sql), task
+            result = run_query(db.path, task.sql)
+            assert result.rows and result.rows[0][0] is not None, (task, result)
+            kinds.add(task.question.split()[0] + ("COUNT" if "COUNT(*)" in sql else ""))
+    assert kinds == {"List", "HowCOUNT", "What"}
+
+
+def test_easy_reference_queries_agree_with_a_python_reading_of_the_rows(tmp_path):
+    for seed in range(4):
+        db = build_easy_database(seed, tmp_path)
+        table = db.spec
+        cols = ["id", "name", *(c for c, _ in table.columns)]
+        rng = random.Random(seed)
+        for _ in range(25):
+            task = make_easy_task(rng, db)
+            m = re.fullmatch(r"SELECT (\S+) FROM \w+ WHERE (\w+) ([=<>]) (.+)", task.sql)
+            assert m, task
+            what, col, op, literal = m.groups()
+            value = literal.strip("'") if literal.startswith("'") else int(literal)
+            compare = {"=": operator.eq, "<": operator.lt, ">": operator.gt}[op]
+            keep = [r for r in table.rows if compare(r[cols.index(col)], value)]
+            expected = ([(len(keep),)] if what == "COUNT(*)"
+                        else sorted((r[cols.index(what)],) for r in keep))
+            assert sorted(run_query(db.path, task.sql).rows) == expected, task
+
+
+def test_the_easy_held_out_prompts_are_never_trained_on(tmp_path):
+    run = sql_run("sql.difficulty=easy", "sql.train_databases=6", "sql.eval_databases=3",
+                  "sql.eval_size=100", "train.prompts_per_step=8", tmp=tmp_path)
+    rlmix_sql.rlmix_configure(run)
+    state = run.resources["sql"]
+    assert len(state["train"]) == 6 and len(state["held_out"]) == 3
+    assert all(k.startswith("easy-") for k in state["dbs"])
+    assert len(state["eval"]) == 100 and {k for k, _ in state["eval"]} <= set(state["held_out"])
+    held = {(state["dbs"][k].schema_sql, t.question) for k, t in state["eval"]}
+    assert len(held) == len(state["held_prompts"]) > 50
+    seen = set()
+    for step in range(60):
+        for p in run.hook.rlmix_prompts(run=run, step=step):
+            assert p.info["db"] in state["train"]
+            seen.add((state["dbs"][p.info["db"]].schema_sql, p.info["question"]))
+    assert len(seen) > 200 and not seen & held
+    # the check is not idle: training tables share schemas with held-out ones, so the same
+    # (schema, question) prompt can be drawn for both
+    train_schemas = {state["dbs"][k].schema_sql for k in state["train"]}
+    assert any(state["dbs"][k].schema_sql in train_schemas for k in state["held_out"])
+
+
+def test_easy_prompts_show_a_worked_example_then_the_task(tmp_path):
+    run = sql_run("sql.difficulty=easy", "train.prompts_per_step=1", tmp=tmp_path)
+    (prompt,) = run.hook.rlmix_prompts(run=run, step=0)
+    roles = [m["role"] for m in prompt.messages]
+    assert roles == ["user", "assistant", "user"]
+    example, answer, task = (m["content"] for m in prompt.messages)
+    assert "CREATE TABLE fruits" in example and "Question: List the names of the fruits" in example
+    assert answer == "```sql\nSELECT name FROM fruits WHERE color = 'red';\n```"
+    assert extract_query(answer) and has_sql_block(answer)
+    assert task.endswith("```sql code block.") and prompt.info["question"] in task
+    hidden = sql_run("sql.difficulty=easy", "sql.worked_example=hide",
+                     "train.prompts_per_step=1", tmp=tmp_path)
+    assert len(hidden.hook.rlmix_prompts(run=hidden, step=0)[0].messages) == 1
+    standard = sql_run("train.prompts_per_step=1", "sql.schemas=shop", tmp=tmp_path)
+    assert len(standard.hook.rlmix_prompts(run=standard, step=0)[0].messages) == 1
+    shown = sql_run("sql.worked_example=show", "sql.schemas=shop", "train.prompts_per_step=1",
+                    tmp=tmp_path)
+    assert len(shown.hook.rlmix_prompts(run=shown, step=0)[0].messages) == 3
+
+
+def test_valid_is_partial_credit_for_a_query_that_reads_the_tasks_table(tmp_path):
+    db = build_easy_database(2, tmp_path)
+    table = next(iter(db.rows))
+    task = make_easy_task(random.Random(0), db)
+    cases = {
+        block(task.sql): (True, True),
+        block(f"SELECT * FROM {table}"): (False, True),
+        block(f"SELECT name FROM {table} WHERE id < 0"): (False, True),
+        block("SELECT 1"): (False, False),  # runs anywhere: no credit
+        block("SELECT name FROM sqlite_master"): (False, False),
+        block(f"SELECT nme FROM {table}"): (False, False),
+        block(f"DELETE FROM {table}"): (False, False),
+        "no query": (False, False),
+    }
+    for text, (correct, valid) in cases.items():
+        v = check_answer(text, db, task.sql, False, Settings(difficulty="easy"))
+        assert (v["correct"], v["valid"]) == (correct, valid), (text, v)
+        assert v["reason"]
+    assert "reads none of the database's tables" in check_answer(
+        block("SELECT 1"), db, task.sql, False, Settings())["reason"]
+
+
+def test_easy_evaluation_scores_the_held_out_questions(tmp_path, monkeypatch):
+    run = sql_run("sql.difficulty=easy", "sql.eval_size=6", "sql.eval_batch_size=4", tmp=tmp_path)
+    rlmix_sql.rlmix_configure(run)
+    table = {k: next(iter(db.rows)) for k, db in run.resources["sql"]["dbs"].items()}
+
+    def fake_generate(prompts, **kwargs):
+        assert all(len(p.messages) == 3 for p in prompts)
+        return SimpleNamespace(texts=[block(p.answer) if i % 2 == 0 else
+                                      block(f"SELECT * FROM {table[p.info['db']]}")
+                                      for i, p in enumerate(prompts)])
+
+    monkeypatch.setattr(run, "generate", fake_generate)
+    assert rlmix_sql.rlmix_evaluate(run) == {"accuracy": pytest.approx(3 / 6),
+                                             "format": 1.0, "valid_sql": 1.0}
+
+
+@pytest.mark.parametrize("override", ["sql.difficulty=hard", "sql.worked_example=yes"])
+def test_bad_easy_settings_fail(override):
+    with pytest.raises(rlmix.ManifestError, match="sql"):
+        sql_run(override)

@@ -42,6 +42,11 @@ HACKS: list[tuple[str, str]] = [
 ]
 
 
+# valid SQL that runs to an answer on the task's tables: it earns the partial-credit term
+# ``valid`` (what that term is for) and nothing else
+RUNS_ON_THE_TABLES = {"five-way cross join"}
+
+
 @pytest.fixture(scope="module")
 def company(tmp_path_factory):
     return build_database("company", 7, tmp_path_factory.mktemp("dbs"))
@@ -61,6 +66,9 @@ def test_hack_scores_zero_and_ends(name: str, query: str, company) -> None:
     elapsed = time.monotonic() - started
     assert not verdict["correct"] and verdict["reason"] != "correct", (name, verdict)
     assert verdict["reason"], name
+    # the partial credit: none for a query that escapes, stalls, errs or reads no table
+    # (the cross join may also time out on a loaded machine: then it earns nothing)
+    assert not verdict["valid"] or name in RUNS_ON_THE_TABLES, (name, verdict)
     assert elapsed < 5.0, (name, elapsed)
     assert _digest(company.path) == before, name
 
