@@ -136,6 +136,23 @@ def test_an_engine_that_ignores_the_prefix_is_reported():
         run.hook.rlmix_advantage(run=run, batch=batch)
 
 
+def test_the_search_runs_on_the_hf_engine_with_real_continuations():
+    """The tiny random model through ``hf``: every probe is a continuation from a prefix of a
+    failed completion (before ``hf`` honoured ``continue_from`` this raised)."""
+    hf = pytest.importorskip("rlmix_hf")
+    arith = pytest.importorskip("rlmix_arith")
+    run = make_run({"hf": hf, "arith": arith, "grpo": _grpo(), "elpo": rlmix_elpo},
+                   ["train.prompts_per_step=2", "train.group_size=2", "sampling.max_new_tokens=6",
+                    "elpo.step_delimiter=''", "elpo.max_searches=2", "arith.eval_size=2"],
+                   with_policy=True)
+    loop.configure(run)
+    metrics = loop.train_step(run)
+    assert metrics["elpo/searched"] == 2  # the tiny model fails every arith problem
+    # two searches over 6 one-token steps: ceil(log2 6) = 3 probes each, 2 continuations a probe
+    assert 2 * 2 * 2 <= run.state["elpo"]["rollouts"] <= 2 * 3 * 2
+    assert math.isfinite(metrics["loss"])
+
+
 @pytest.mark.parametrize("override", ["elpo.continuations=0", "elpo.critical_eps_low=1",
                                       "elpo.prefix_scale=-1"])
 def test_bad_settings_fail(override):
