@@ -99,6 +99,19 @@ def test_aggregate_loss_rejects_unknown_mode() -> None:
         ops.aggregate_loss(LOSS, LOSS_MASK, "sum", Normalizers(4, 2, 5))
 
 
+def test_outside_band_and_rescaled_clip_hand_computed() -> None:
+    ratio = torch.tensor([0.5, 0.8, 1.0, 1.2, 1.5], dtype=torch.float64)
+    assert ops.outside_band(ratio, 0.8, 1.2).tolist() == [True, False, False, False, True]
+    adv = torch.tensor([-2.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    logp = ratio.log().requires_grad_(True)
+    loss = ops.rescaled_clip(logp.exp(), adv, 0.8, 1.2)
+    # value -clip(r) A: 1.6, -0.8, -1.0, -1.2, -1.2; gradient in logp the same (r / sg(r))
+    expected = torch.tensor([1.6, -0.8, -1.0, -1.2, -1.2], dtype=torch.float64)
+    torch.testing.assert_close(loss.detach(), expected)
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, expected)
+
+
 def test_entropy_from_logits() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
     z = math.exp(2) + 3  # H = log Z - sum p_i x_i = log Z - 2 e^2 / Z

@@ -117,6 +117,26 @@ def clip_ratio(ratio: torch.Tensor, advantages: torch.Tensor, lower: float | tor
     return -torch.minimum(unclipped, clipped), clipped < unclipped
 
 
+def outside_band(ratio: torch.Tensor, lower: float | torch.Tensor,
+                 upper: float | torch.Tensor) -> torch.Tensor:
+    """Where ``ratio`` leaves the trust region ``[lower, upper]``, whatever the advantage's
+    sign (PPO's clip acts on one side per sign; a double-sided clip and an IS weight's clip
+    test on both)."""
+    return (ratio < lower) | (ratio > upper)
+
+
+def rescaled_clip(ratio: torch.Tensor, advantages: torch.Tensor, lower: float | torch.Tensor,
+                  upper: float | torch.Tensor) -> torch.Tensor:
+    """``-sg(clip(r, lower, upper)) * (r / sg(r)) * A``: the value of PPO's clipped branch
+    with a gradient through a stop-gradient, ``-clip(r) A`` in ``logp`` (at the upper bound
+    ``-(upper) A``) instead of none."""
+    if isinstance(lower, torch.Tensor) != isinstance(upper, torch.Tensor):
+        lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device)
+        upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device)
+    bound = torch.clamp(ratio, lower, upper).detach()
+    return -bound * (ratio / ratio.detach()) * advantages
+
+
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` with

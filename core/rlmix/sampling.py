@@ -151,6 +151,64 @@ def encode_prompts(run: Run, prompts: list[Prompt]) -> tuple[torch.Tensor, torch
     return enc["input_ids"], enc["attention_mask"]
 
 
+#: ``Prompt.info`` key: token ids a completion is to start with (a continuation from a prefix, as
+#: a step-level credit method's probe asks). An engine that honours it returns them as the first
+#: tokens of the completion (in ``completion_mask``, with their behaviour log-probs, in the
+#: decoded text) and samples the rest within what is left of ``max_new_tokens``.
+CONTINUE_FROM = "continue_from"
+
+
+def continuation_prefix(prompt: Prompt) -> list[int]:
+    """The token ids ``prompt`` asks its completion to start with (``[]``: none)."""
+    return [int(t) for t in (prompt.info.get(CONTINUE_FROM) or [])]
+
+
+def continuation_inputs(run: Run, prompts: list[Prompt]
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``encode_prompts`` with each prompt's ``continuation_prefix`` appended to its chat text
+    before the left padding: ``(ids, attention_mask, given)``, ``given[i]`` the number of
+    prefix tokens that end row ``i``."""
+    assert run.policy is not None
+    tok = run.policy.tokenizer
+    rows = [list(tok(run.policy.chat_text(p.messages), add_special_tokens=False)["input_ids"])
+            + continuation_prefix(p) for p in prompts]
+    given = [len(continuation_prefix(p)) for p in prompts]
+    width = max(len(r) for r in rows)
+    pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        attn[i, width - len(r):] = 1
+    return ids, attn, given
+
+
+def given_mask(given: list[int], width: int) -> torch.Tensor:
+    """``[P, width]`` float: 1 on the last ``given[i]`` columns of row ``i``."""
+    cols = torch.arange(width)[None]
+    return (cols >= width - torch.tensor(given)[:, None]).float()
+
+
+@torch.no_grad()
+def input_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float, autocast: Any = None) -> torch.Tensor:
+    """``[P, W]``: column ``t`` holds ``log p(input_ids[:, t] | input_ids[:, :t])`` under
+    ``softmax(logits / temperature)`` (unscaled when ``temperature <= 0``, as greedy decoding
+    reports), the distribution the trainer's log-probs use; 0 in column 0. The behaviour
+    log-probs of tokens a continuation was given rather than sampled."""
+    import contextlib
+
+    ctx = autocast if autocast is not None else contextlib.nullcontext()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with ctx:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=positions, use_cache=False).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
+
+
 def _cache_of(out: Any) -> Any:
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import rlmix
+from rlmix.sampling import continuation_prefix
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 Messages = list[dict[str, str]]
@@ -162,7 +163,7 @@ class PrivilegedToyWorld:
                     draws = torch.multinomial(probs, request.n, replacement=True,
                                               generator=pol.generator).T.clone()
                 # a continuation: the first tokens are given (Prompt.info["continue_from"])
-                prefix = list(prompt.info.get("continue_from") or [])[:pol.length]
+                prefix = continuation_prefix(prompt)[:pol.length]
                 if prefix:
                     draws[:, :len(prefix)] = torch.tensor(prefix)
                 rows.append(draws)

@@ -64,10 +64,10 @@ def entropy_balanced_surrogate(logp: torch.Tensor, old_logp: torch.Tensor,
     """PPO's ``-min(r A, clip(r) A)``; on ``high`` tokens where the clipped branch is taken, its
     stop-gradient form ``-sg(clip(r)) * (r / sg(r)) * A`` (same value, gradient
     ``-clip(r) A``). Returns the loss and where PPO's clipped branch was taken."""
-    loss, clipped = ops.clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
     ratio = torch.exp(logp - old_logp)
-    bound = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
-    rescaled = -bound * (ratio / ratio.detach()) * advantages
+    lower, upper = 1.0 - eps_low, 1.0 + eps_high
+    loss, clipped = ops.clip_ratio(ratio, advantages, lower, upper)
+    rescaled = ops.rescaled_clip(ratio, advantages, lower, upper)
     return torch.where(high & clipped, rescaled, loss), clipped
 
 

@@ -37,7 +37,7 @@ def is_weight(logp: torch.Tensor, old_logp: torch.Tensor, eps_low: float, eps_hi
     ratio = torch.exp(logp.detach() - old_logp)
     low, high = 1.0 - eps_low, 1.0 + eps_high
     weight = ratio.clamp(min=low, max=high) if low > 0 else ratio.clamp(max=high)
-    return weight, (ratio > high) | (ratio < low)
+    return weight, ops.outside_band(ratio, low, high)
 
 
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

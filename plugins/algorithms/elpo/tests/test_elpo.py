@@ -136,8 +136,80 @@ def test_an_engine_that_ignores_the_prefix_is_reported():
         run.hook.rlmix_advantage(run=run, batch=batch)
 
 
+def test_the_search_runs_on_the_hf_engine_with_real_continuations():
+    """The tiny random model through ``hf``: every probe is a continuation from a prefix of a
+    failed completion (before ``hf`` honoured ``continue_from`` this raised)."""
+    hf = pytest.importorskip("rlmix_hf")
+    arith = pytest.importorskip("rlmix_arith")
+    run = make_run({"hf": hf, "arith": arith, "grpo": _grpo(), "elpo": rlmix_elpo},
+                   ["train.prompts_per_step=2", "train.group_size=2", "sampling.max_new_tokens=6",
+                    "elpo.step_delimiter=''", "elpo.max_searches=2", "arith.eval_size=2"],
+                   with_policy=True)
+    loop.configure(run)
+    metrics = loop.train_step(run)
+    assert metrics["elpo/searched"] == 2  # the tiny model fails every arith problem
+    # two searches over 6 one-token steps: ceil(log2 6) = 3 probes each, 2 continuations a probe
+    assert 2 * 2 * 2 <= run.state["elpo"]["rollouts"] <= 2 * 3 * 2
+    assert math.isfinite(metrics["loss"])
+
+
 @pytest.mark.parametrize("override", ["elpo.continuations=0", "elpo.critical_eps_low=1",
                                       "elpo.prefix_scale=-1"])
 def test_bad_settings_fail(override):
     with pytest.raises(rlmix.ManifestError, match="elpo"):
         make_run({"elpo": rlmix_elpo}, [override])
+
+
+# ---------------------------------------------------------------- the learning claim (null)
+
+FATAL = 3
+
+
+class _DoomWorld(PrivilegedToyWorld):
+    """A completion succeeds when it holds no fatal token (3 of 4): a fatal token is an
+    irrecoverable step, the others are all fine, so the first fatal token is exactly the step
+    ELPO's search looks for."""
+
+    def correct(self, batch):
+        return (batch.tokens[:, 1:] != FATAL).all(-1).float()
+
+    def success(self) -> float:
+        fatal = torch.softmax(self.policy.logits.detach(), -1)[..., FATAL]
+        return float((1 - fatal).prod(-1).mean())
+
+
+def _doom_run(plugins, overrides, budget):
+    """4 prompts x 8 positions x 4 tokens, the fatal token at logit -0.2 (success 0.15 at the
+    start), trained until ``budget`` rollouts were generated, probes included. Returns
+    (success per step, rollouts)."""
+    init = torch.zeros(4, 8, 4)
+    init[..., FATAL] = -0.2
+    world = _DoomWorld(PrivilegedToyPolicy(4, 8, 4, init=init), torch.zeros(4, 8).long())
+    run = toy_world_run(world, plugins, ["train.lr=0.1", *overrides])
+    history = []
+    while world.generated_rows < budget:
+        loop.train_step(run)
+        history.append(world.success())
+    return history, world.generated_rows
+
+
+def test_learning_claim_is_not_met_at_equal_rollouts_on_a_doom_world():
+    """The paper's "reward 0.9 in fewer steps than outcome-only GRPO at equal total
+    rollouts", on the world most favourable to the search we found (an irrecoverable token):
+    a NULL RESULT. At equal rollouts (continuations counted) GRPO is ahead; per step the two
+    are level, so the probes (about 24 rollouts a step on top of 32) buy nothing here. See
+    the README."""
+    budget = 512
+    grpo, grpo_rows = _doom_run({"grpo": _grpo()}, [], budget)
+    elpo, elpo_rows = _doom_run({"grpo": _grpo(), "elpo": rlmix_elpo},
+                                ["elpo.step_delimiter=''", "elpo.prefix_scale=0",
+                                 "elpo.critical_scale=1"], budget)
+    print(f"success at {budget} rollouts: GRPO {grpo[-1]:.3f} ({len(grpo)} steps), ELPO "
+          f"{elpo[-1]:.3f} ({len(elpo)} steps); GRPO at ELPO's steps {grpo[len(elpo) - 1]:.3f}")
+    # equal total rollouts: both stop at the first step past the budget (ELPO's last step,
+    # with its probes, may overshoot more: it gets those rollouts for free)
+    assert budget <= grpo_rows <= elpo_rows < budget + 32 + 24 * 2
+    assert len(elpo) < len(grpo)  # the probes cost steps
+    assert min(grpo[-1], elpo[-1]) > 0.3  # both learn (from 0.15)
+    assert elpo[-1] < grpo[-1] - 0.05  # the claim fails at equal rollouts
+    assert abs(elpo[-1] - grpo[len(elpo) - 1]) < 0.05  # and per step there is no gain

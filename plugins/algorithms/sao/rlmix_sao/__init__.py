@@ -46,7 +46,7 @@ def double_sided_surrogate(logp: torch.Tensor, old_logp: torch.Tensor,
     outside, for either sign of ``A``; also returns the mask of tokens outside. The gradient in
     ``logp`` is ``-r A`` inside, so its magnitude never exceeds ``(1 + eps_high) |A|``."""
     ratio = torch.exp(logp - old_logp)
-    outside = (ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)
+    outside = ops.outside_band(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = torch.where(outside, -(ratio.detach() * advantages), -(ratio * advantages))
     return loss, outside
 

@@ -16,9 +16,13 @@ import rlmix
 # the sampling loop and prompt helpers live in the core (rlmix.sampling) so other engines and
 # plugins (speculative, agent_prm) use them without importing this plugin; re-exported here
 from rlmix.sampling import (  # noqa: F401
+    continuation_inputs,
+    continuation_prefix,
     draw_tokens,
     encode_prompts,
     filter_logits,
+    given_mask,
+    input_logprobs,
     sample_tokens,
     stop_token_ids,
 )
@@ -56,33 +60,76 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch:
         chunk = request.prompts[start:start + step]
         episodes = ([episode_hook(run=run, prompt=p) for p in chunk for _ in range(request.n)]
                     if episode_hook is not None else [])
+        given = [len(continuation_prefix(p)) for p in chunk]
         if any(e is not None for e in episodes):
+            if any(given):
+                raise RuntimeError("hf: Prompt.info['continue_from'] (a continuation from a "
+                                   "prefix) is not supported in multi-turn episodes")
             parts.append(generate_episodes(run, chunk, episodes, request, settings, eos_ids))
             continue
-        ids, attn = encode_prompts(run, chunk)
-        ids, attn = ids.to(policy.device), attn.to(policy.device)
-        completion, cmask, logp = sample_tokens(
-            policy.model, ids, attn, request.n, request.max_new_tokens, request.temperature,
-            request.top_p, request.top_k, eos_ids, tok.pad_token_id, autocast=policy.autocast())
-        prompt_ids = ids.repeat_interleave(request.n, 0)
-        prompt_attn = attn.repeat_interleave(request.n, 0)
-        width = prompt_ids.shape[1]
-        tokens = torch.cat([prompt_ids, completion], 1).cpu()
-        texts = tok.batch_decode(completion.masked_fill(cmask == 0, tok.pad_token_id).cpu(),
-                                 skip_special_tokens=True)
-        rows = len(chunk) * request.n
-        parts.append(RolloutBatch(
-            group=torch.arange(len(chunk)).repeat_interleave(request.n),
-            tokens=tokens,
-            attention_mask=torch.cat([prompt_attn, cmask.long()], 1).cpu(),
-            completion_mask=torch.cat([torch.zeros_like(prompt_attn, dtype=torch.float),
-                                       cmask], 1).cpu(),
-            behavior_logp=torch.cat([torch.zeros(rows, width), logp.cpu()], 1),
-            policy_version=torch.full((rows,), run.policy_version, dtype=torch.long),
-            texts=texts,
-            prompts=[p for p in chunk for _ in range(request.n)],
-        ))
+        parts.append(_single_turn(run, chunk, given, request, eos_ids))
     return parts[0] if len(parts) == 1 else RolloutBatch.concat(parts, tok.pad_token_id)
+
+
+def _single_turn(run: Run, chunk: list[rlmix.Prompt], given: list[int],
+                 request: GenerationRequest, eos_ids: list[int]) -> RolloutBatch:
+    """``request.n`` completions of each prompt of ``chunk``, one prefill per prompt. A prompt
+    with ``Prompt.info["continue_from"]`` (``rlmix.sampling.CONTINUE_FROM``) is continued from
+    those tokens: they are appended to its prompt before the prefill, then returned as the
+    first ``given[i]`` tokens of its completion (completion mask 1, behaviour log-probs from
+    the prefill's forward, in the text), and at most ``max_new_tokens - given[i]`` more are
+    sampled."""
+    assert run.policy is not None
+    policy = run.policy
+    tok = policy.tokenizer
+    n = request.n
+    if any(given):
+        ids, attn, given = continuation_inputs(run, chunk)
+    else:
+        ids, attn = encode_prompts(run, chunk)
+    ids, attn = ids.to(policy.device), attn.to(policy.device)
+    rows = len(chunk) * n
+    budget = torch.tensor([max(int(request.max_new_tokens) - g, 0) for g in given]
+                          ).repeat_interleave(n)
+    if int(budget.max()) > 0:
+        completion, cmask, logp = sample_tokens(
+            policy.model, ids, attn, n, int(budget.max()), request.temperature,
+            request.top_p, request.top_k, eos_ids, tok.pad_token_id,
+            autocast=policy.autocast())
+    else:  # every prefix already uses the whole budget
+        completion = torch.zeros((rows, 0), dtype=torch.long, device=ids.device)
+        cmask = torch.zeros((rows, 0), device=ids.device)
+        logp = torch.zeros((rows, 0), device=ids.device)
+    prompt_ids = ids.repeat_interleave(n, 0)
+    prompt_attn = attn.repeat_interleave(n, 0)
+    width = prompt_ids.shape[1]
+    prompt_cmask = torch.zeros_like(prompt_attn, dtype=torch.float)
+    prompt_logp = torch.zeros(rows, width)
+    if any(given):
+        # each row stops at its own budget (what its prefix leaves of max_new_tokens)
+        keep = (torch.arange(completion.shape[1])[None] < budget[:, None]).to(cmask.device)
+        cmask, logp = cmask * keep, logp * keep
+        completion = completion.masked_fill(~keep, tok.pad_token_id)
+        gm = given_mask(given, width)
+        prompt_cmask = gm.repeat_interleave(n, 0).to(prompt_cmask.device)
+        prompt_logp = (input_logprobs(policy.model, ids, attn, request.temperature,
+                                      policy.autocast()).cpu() * gm).repeat_interleave(n, 0)
+    tokens = torch.cat([prompt_ids, completion], 1).cpu()
+    region = completion.masked_fill(cmask == 0, tok.pad_token_id)
+    if any(given):  # the text is the whole completion, given prefix included
+        region = torch.cat([prompt_ids.masked_fill(prompt_cmask == 0, tok.pad_token_id),
+                            region], 1)
+    texts = tok.batch_decode(region.cpu(), skip_special_tokens=True)
+    return RolloutBatch(
+        group=torch.arange(len(chunk)).repeat_interleave(n),
+        tokens=tokens,
+        attention_mask=torch.cat([prompt_attn, cmask.long()], 1).cpu(),
+        completion_mask=torch.cat([prompt_cmask, cmask], 1).cpu(),
+        behavior_logp=torch.cat([prompt_logp, logp.cpu()], 1),
+        policy_version=torch.full((rows,), run.policy_version, dtype=torch.long),
+        texts=texts,
+        prompts=[p for p in chunk for _ in range(n)],
+    )
 
 
 # ---------------------------------------------------------------- multi-turn episodes

@@ -279,6 +279,59 @@ def test_generate_in_chunks_matches_one_call():
     torch.testing.assert_close(chunked.completion_mask.sum(-1), whole.completion_mask.sum(-1))
 
 
+def _continued(prompts, prefixes):
+    return [Prompt(messages=p.messages, answer=p.answer, id=p.id,
+                   info={**p.info, **({"continue_from": c} if c else {})})
+            for p, c in zip(prompts, prefixes, strict=True)]
+
+
+def _completion(batch, row):
+    return batch.tokens[row][batch.completion_mask[row].bool()].tolist()
+
+
+def test_a_greedy_continuation_from_a_prefix_of_greedy_output_reproduces_it():
+    run = hf_run()
+    prompts = chat_prompts()
+    full = run.generate(prompts, max_new_tokens=8)
+    # prefixes of 3, 0 and 7 tokens (never a whole completion that ended at EOS)
+    prefixes = [_completion(full, i)[:min(k, len(_completion(full, i)) - 1)]
+                for i, k in enumerate([3, 0, 7])]
+    cont = run.generate(_continued(prompts, prefixes), max_new_tokens=8)
+    for i in range(len(prompts)):
+        # the prefix comes back as the completion's first tokens, the rest is greedy, and the
+        # whole stays within max_new_tokens (the prefix counts)
+        assert _completion(cont, i) == _completion(full, i)
+        assert cont.texts[i] == full.texts[i]
+        assert cont.behavior_logp[i][cont.completion_mask[i].bool()].tolist() == \
+            pytest.approx(full.behavior_logp[i][full.completion_mask[i].bool()].tolist(),
+                          abs=1e-4)
+
+
+def test_a_sampled_continuation_keeps_its_prefix_and_the_trainer_log_probs():
+    run = hf_run()
+    prompts = chat_prompts()
+    prefixes = [[40, 41, 42], [], [43]]
+    torch.manual_seed(0)
+    batch = run.hook.rlmix_generate(run=run, request=GenerationRequest(
+        prompts=_continued(prompts, prefixes), n=2, temperature=0.9, max_new_tokens=5))
+    for row in range(len(batch)):
+        tokens = _completion(batch, row)
+        prefix = prefixes[row // 2]
+        assert tokens[:len(prefix)] == prefix and len(prefix) < len(tokens) <= 5
+    # contiguous completion regions: prompt columns, then the given and sampled tokens
+    first = batch.completion_mask.argmax(-1)
+    for row in range(len(batch)):
+        assert (batch.completion_mask[row, first[row]:].diff() <= 0).all()
+    with torch.no_grad():
+        logp, _ = run.policy.logprobs(run, batch)
+    live = batch.completion_mask.bool()
+    torch.testing.assert_close(batch.behavior_logp[live], logp[live], atol=1e-4, rtol=0)
+    assert (batch.behavior_logp[~live] == 0).all()
+    # a prefix as long as the budget: nothing is sampled after it
+    whole = run.generate(_continued(prompts[:1], [[40, 41, 42]]), max_new_tokens=3)
+    assert _completion(whole, 0) == [40, 41, 42]
+
+
 def test_stop_at_eos_off_generates_every_token(monkeypatch):
     run = hf_run("hf.stop_at_eos=false")
     monkeypatch.setattr(rlmix_hf, "stop_token_ids", lambda policy: list(range(len(policy
