@@ -242,20 +242,25 @@ def scorer_terms(run: Run, batch: RolloutBatch, plugin: str) -> dict[str, torch.
 def _check_weighted_terms(run: Run, weights: dict[str, float],
                           terms: dict[str, torch.Tensor]) -> None:
     """``score.weights`` naming a term its plugin did not return is a manifest error (found at
-    the first scored batch; plugins declaring ``RLMIX_SCORE_TERMS`` fail before the model
-    loads). A plugin that returned nothing for this batch is not judged."""
-    if run.state.get("rlmix.score", {}).get("weights_checked"):
+    the first batch that plugin scores; plugins declaring ``RLMIX_SCORE_TERMS`` fail before the
+    model loads). A plugin that returned nothing for this batch is judged at a later one."""
+    state = run.state.setdefault("rlmix.score", {})
+    if state.get("weights_checked"):
         return
-    returned = {name.rsplit(".", 1)[0] for name in terms}
+    names = [impl.plugin_name for impl in _scorers(run)]
+    judged = set(state.get("weights_judged", ()))
+    returned = {_term_owner(name, names) for name in terms}
     for name in sorted(set(weights) - set(terms)):
-        plugin = name.rsplit(".", 1)[0]
-        if plugin in returned:
-            theirs = sorted(t.rsplit(".", 1)[1] for t in terms if t.startswith(plugin + "."))
+        plugin = _term_owner(name, names)
+        if plugin in returned and plugin not in judged:
+            term = name[len(plugin) + 1:]
+            theirs = sorted(t[len(plugin) + 1:] for t in terms if _term_owner(t, names) == plugin)
             raise ManifestError(f"manifest error at 'score.weights.{name}': plugin '{plugin}' "
-                                f"returned no term '{name.rsplit('.', 1)[1]}'; its terms: "
-                                f"{', '.join(theirs)}")
-    if terms:
-        run.state.setdefault("rlmix.score", {})["weights_checked"] = True
+                                f"returned no term '{term}'; its terms: {', '.join(theirs)}")
+    judged |= returned
+    state["weights_judged"] = sorted(judged)
+    # every plugin score.weights names has been judged: nothing left to check
+    state["weights_checked"] = all(_term_owner(name, names) in judged for name in weights)
 
 
 def nonfinite_terms(batch: RolloutBatch, weights: dict[str, float]) -> dict[str, int]:
