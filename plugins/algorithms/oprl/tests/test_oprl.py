@@ -138,8 +138,8 @@ def _train(arm: str, seed: int, steps: int = 60):
     prm = None
     if arm == "oprl":
         reference = copy.deepcopy(policy)
-        run.resources["oprl.ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
-        run.resources["oprl.prm"] = prm = TablePRM(policy)
+        run.plugin_resources("oprl")["ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
+        run.plugin_resources("oprl")["prm"] = prm = TablePRM(policy)
         oprl.rlmix_configure(run)
     history = toy_train(run, policy, deciding_reward, steps=steps, lr=0.05, n_prompts=4,
                         group_size=8)
@@ -167,7 +167,7 @@ def test_claim_step_credit_lands_on_the_deciding_position(seed):
     outcome = deciding_reward(fresh)
     pairs = oprl.preference_pairs(outcome, fresh.group, max_pairs=64)
     with torch.no_grad():
-        ref = run.resources["oprl.ref_logprobs"](fresh)
+        ref = run.plugin_resources("oprl")["ref_logprobs"](fresh)
         summed = oprl.step_rewards(prm.logprobs(fresh), ref, fresh.completion_mask, 1.0).sum(-1)
     assert len(pairs) >= 100
     assert oprl.pair_order_accuracy(summed, pairs) >= 0.9

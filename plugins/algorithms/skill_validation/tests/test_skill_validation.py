@@ -137,7 +137,7 @@ def _run(admit: str, seed: int, steps: int, prompts: int = 4, group: int = 8,
                    [f"skill_validation.admit={admit}", f"skill_validation.tau={tau}",
                     f"train.prompts_per_step={prompts}", f"train.group_size={group}",
                     "skill_validation.k=2"])
-    run.resources["skill_validation.generator"] = half_and_half(seed)
+    run.plugin_resources("skill_validation")["generator"] = half_and_half(seed)
     per_step = []
     for step in range(steps):
         run.step = step
