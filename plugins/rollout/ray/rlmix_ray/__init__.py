@@ -57,10 +57,8 @@ class Settings:
     max_restarts: int = 4  # dead workers replaced per generate call before giving up
     timeout_s: float = 600.0  # one worker's answer; a worker past it is treated as dead
     exclude: list[str] = field(default_factory=list)  # more plugin names workers leave out
-    # workers score their rows with the manifest's scorers (rlmix.loop.score) and hand the terms
-    # on, so the driver scores nothing again; off by default: a scorer that keeps driver-side
-    # state (a learned reward head, a judge, counters in run.state) would score with the
-    # worker's copy of it. Turn it on for stateless verifiers (code, math, sql, tools)
+    # workers score their rows and the driver keeps the terms; for stateless scorers only
+    # (a learned reward head, a judge or counters on the driver would be stale copies there)
     score: bool = False
 
     def __post_init__(self) -> None:
