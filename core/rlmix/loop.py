@@ -81,11 +81,17 @@ def configure(run: Run) -> None:
     """Each plugin's ``rlmix_configure``, in call order. A failure becomes one error naming
     the plugin and hook it escaped (the innermost, when one plugin's configure calls another
     plugin's hook), a ``ManifestError`` when it was one (a plugin's ConfigError)."""
-    for impl in manifest_order(run.pm.hook.rlmix_configure.get_hookimpls()):
+    _phase(run, "rlmix_configure")
+
+
+def _phase(run: Run, hook_name: str) -> None:
+    """Every implementation of ``hook_name`` in manifest order; a failure is named by the mark
+    it carries (``errors.origin``), never by searching its text."""
+    for impl in manifest_order(getattr(run.pm.hook, hook_name).get_hookimpls()):
         try:
             impl.function(run=run)
         except Exception as exc:
-            plugin, hook = origin(exc) or (impl.plugin_name, "rlmix_configure")
+            plugin, hook = origin(exc) or (impl.plugin_name, hook_name)
             detail = str(exc) if isinstance(exc, (ManifestError, PluginError)) \
                 else f"{type(exc).__name__}: {exc}"
             kind = ManifestError if isinstance(exc, ManifestError) else PluginError
@@ -159,14 +165,7 @@ def prepare_model(run: Run) -> None:
     plugin wrap or partition it (manifest order)."""
     if int(run.config.train.max_staleness) > 0 and run.policy is not None:
         async_sampling.take_model_copy(run)
-    for impl in manifest_order(run.pm.hook.rlmix_prepare_model.get_hookimpls()):
-        try:
-            impl.function(run=run)
-        except (ManifestError, PluginError):
-            raise
-        except Exception as exc:
-            raise PluginError(f"plugin '{impl.plugin_name}' failed to prepare the model: "
-                              f"{type(exc).__name__}: {exc}") from exc
+    _phase(run, "rlmix_prepare_model")
 
 
 def score(run: Run, batch: RolloutBatch) -> None:
