@@ -106,3 +106,27 @@ def test_tryfirst_and_trylast_keep_their_meaning_within_manifest_order():
     run = make_run({"late": Late(), "b": Recorder("b"), "early": Early(), "a": Recorder("a")})
     loop.configure(run)
     assert CALLS == ["configure:early", "configure:b", "configure:a", "configure:late"]
+
+
+class BadPrepare:
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    @rlmix.hookimpl
+    def rlmix_prepare_model(self, run):
+        raise self.exc
+
+
+def test_a_prepare_model_failure_is_named_like_a_configure_failure():
+    """``rlmix_prepare_model`` failures are named as ``rlmix_configure``'s are: plugin and hook
+    from the exception's mark, a ConfigError stays a ManifestError."""
+    import pytest
+
+    run = make_run({"ok": Recorder("ok"), "bad": BadPrepare(ValueError("no room"))})
+    with pytest.raises(rlmix.PluginError, match=r"plugin 'bad' failed in rlmix_prepare_model: "
+                                                r"ValueError: no room"):
+        loop.prepare_model(run)
+    run = make_run({"bad": BadPrepare(rlmix.ConfigError("bad.stage: 4 is not a stage"))})
+    with pytest.raises(rlmix.ManifestError, match=r"plugin 'bad' failed in "
+                                                  r"rlmix_prepare_model: bad.stage: 4"):
+        loop.prepare_model(run)

@@ -94,7 +94,7 @@ def test_backward_outside_the_update_does_not_step(tmp_path: Path) -> None:
 
 def test_non_finite_loss_skips_the_step(tmp_path: Path) -> None:
     run = _run(tmp_path, "train.optimizer_in_backward=true")
-    stepper = run.resources[IN_BACKWARD]
+    stepper = run.plugin_resources("rlmix.defaults")[IN_BACKWARD]
     before = _weights(run)
     stats = run.hook.rlmix_update(run=run, loss=_nan_loss(run))
     assert stats["update/skipped"] == 1.0 and stepper.stepped == 0

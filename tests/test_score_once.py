@@ -167,3 +167,33 @@ def test_the_code_verifier_runs_once_per_sample_under_dynamic_sampling(monkeypat
         batch = _step(run)
         assert sum(verified) - before == rollout.generated - generated  # no program ran twice
         assert len(verified) >= 1 and batch.rewards is not None
+
+
+class LateScorer:
+    """Returns nothing for the first batch it sees, then a term ``a``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @rlmix.hookimpl
+    def rlmix_score(self, run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        return {} if self.calls == 1 else {"a": torch.ones(len(batch))}
+
+
+def test_a_weight_naming_a_term_no_scorer_returns_is_a_manifest_error_also_when_late():
+    """``score.weights.late.b``: ``late`` returns nothing for the first batch (not judged then,
+    while ``count`` is), then only ``a``: the manifest error comes at that second batch; it is
+    never a silent weight of 1.0."""
+    run = make_run({"count": CountingScorer(), "late": LateScorer()},
+                   ["score.weights.late.b=2", "score.weights.count.length=1"])
+    loop.score(run, make_batch())  # late returned nothing: not judged yet
+    with pytest.raises(rlmix.ManifestError, match=r"score\.weights\.late\.b.*no term 'b'.*: a"):
+        loop.score(run, make_batch(seed=1))
+    ok = make_run({"count": CountingScorer(), "late": LateScorer()},
+                  ["score.weights.late.a=2"])
+    for seed in range(3):
+        batch = make_batch(seed=seed)
+        loop.score(ok, batch)
+    assert ok.state["rlmix.score"]["weights_checked"] is True
+    torch.testing.assert_close(batch.rewards, batch.completion_mask.sum(-1) + 2.0)

@@ -48,13 +48,13 @@ def rlmix_configure(run: Run) -> None:
         run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
         if bool(train.optimizer_in_backward):
             _check_in_backward(run)
-            run.resources[IN_BACKWARD] = StepInBackward(run.optimizer, params)
+            run.plugin_resources(NAME)[IN_BACKWARD] = StepInBackward(run.optimizer, params)
     elif bool(run.config.train.optimizer_in_backward) and owner != NAME:
         raise ConfigError(f"train.optimizer_in_backward is a mode of the core's default "
                           f"rlmix_update, but {owner!r} implements rlmix_update")
 
 
-IN_BACKWARD = "rlmix.optimizer_in_backward"
+IN_BACKWARD = "in_backward"  # run.plugin_resources("rlmix.defaults")
 
 
 def _check_in_backward(run: Run) -> None:
@@ -177,7 +177,7 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
     value = loss.value
     assert value is not None
     finite = bool(torch.isfinite(value.detach()).all())
-    in_backward = run.resources.get(IN_BACKWARD)
+    in_backward = run.plugin_resources(NAME).get(IN_BACKWARD)
     if in_backward is not None:
         return _update_in_backward(run, in_backward, value, finite, state)
     if finite:

@@ -81,11 +81,17 @@ def configure(run: Run) -> None:
     """Each plugin's ``rlmix_configure``, in call order. A failure becomes one error naming
     the plugin and hook it escaped (the innermost, when one plugin's configure calls another
     plugin's hook), a ``ManifestError`` when it was one (a plugin's ConfigError)."""
-    for impl in manifest_order(run.pm.hook.rlmix_configure.get_hookimpls()):
+    _phase(run, "rlmix_configure")
+
+
+def _phase(run: Run, hook_name: str) -> None:
+    """Every implementation of ``hook_name`` in manifest order; a failure is named by the mark
+    it carries (``errors.origin``), never by searching its text."""
+    for impl in manifest_order(getattr(run.pm.hook, hook_name).get_hookimpls()):
         try:
             impl.function(run=run)
         except Exception as exc:
-            plugin, hook = origin(exc) or (impl.plugin_name, "rlmix_configure")
+            plugin, hook = origin(exc) or (impl.plugin_name, hook_name)
             detail = str(exc) if isinstance(exc, (ManifestError, PluginError)) \
                 else f"{type(exc).__name__}: {exc}"
             kind = ManifestError if isinstance(exc, ManifestError) else PluginError
@@ -159,14 +165,7 @@ def prepare_model(run: Run) -> None:
     plugin wrap or partition it (manifest order)."""
     if int(run.config.train.max_staleness) > 0 and run.policy is not None:
         async_sampling.take_model_copy(run)
-    for impl in manifest_order(run.pm.hook.rlmix_prepare_model.get_hookimpls()):
-        try:
-            impl.function(run=run)
-        except (ManifestError, PluginError):
-            raise
-        except Exception as exc:
-            raise PluginError(f"plugin '{impl.plugin_name}' failed to prepare the model: "
-                              f"{type(exc).__name__}: {exc}") from exc
+    _phase(run, "rlmix_prepare_model")
 
 
 def score(run: Run, batch: RolloutBatch) -> None:
@@ -242,20 +241,25 @@ def scorer_terms(run: Run, batch: RolloutBatch, plugin: str) -> dict[str, torch.
 def _check_weighted_terms(run: Run, weights: dict[str, float],
                           terms: dict[str, torch.Tensor]) -> None:
     """``score.weights`` naming a term its plugin did not return is a manifest error (found at
-    the first scored batch; plugins declaring ``RLMIX_SCORE_TERMS`` fail before the model
-    loads). A plugin that returned nothing for this batch is not judged."""
-    if run.state.get("rlmix.score", {}).get("weights_checked"):
+    the first batch that plugin scores; plugins declaring ``RLMIX_SCORE_TERMS`` fail before the
+    model loads). A plugin that returned nothing for this batch is judged at a later one."""
+    state = run.state.setdefault("rlmix.score", {})
+    if state.get("weights_checked"):
         return
-    returned = {name.rsplit(".", 1)[0] for name in terms}
+    names = [impl.plugin_name for impl in _scorers(run)]
+    judged = set(state.get("weights_judged", ()))
+    returned = {_term_owner(name, names) for name in terms}
     for name in sorted(set(weights) - set(terms)):
-        plugin = name.rsplit(".", 1)[0]
-        if plugin in returned:
-            theirs = sorted(t.rsplit(".", 1)[1] for t in terms if t.startswith(plugin + "."))
+        plugin = _term_owner(name, names)
+        if plugin in returned and plugin not in judged:
+            term = name[len(plugin) + 1:]
+            theirs = sorted(t[len(plugin) + 1:] for t in terms if _term_owner(t, names) == plugin)
             raise ManifestError(f"manifest error at 'score.weights.{name}': plugin '{plugin}' "
-                                f"returned no term '{name.rsplit('.', 1)[1]}'; its terms: "
-                                f"{', '.join(theirs)}")
-    if terms:
-        run.state.setdefault("rlmix.score", {})["weights_checked"] = True
+                                f"returned no term '{term}'; its terms: {', '.join(theirs)}")
+    judged |= returned
+    state["weights_judged"] = sorted(judged)
+    # every plugin score.weights names has been judged: nothing left to check
+    state["weights_checked"] = all(_term_owner(name, names) in judged for name in weights)
 
 
 def nonfinite_terms(batch: RolloutBatch, weights: dict[str, float]) -> dict[str, int]:

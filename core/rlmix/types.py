@@ -242,6 +242,9 @@ class Run:
     async_sampler: Any = None
     # metrics plugins report through ``log``, written with the step's metrics line
     pending_metrics: dict[str, float] = field(default_factory=dict)
+    # data parallelism, set by a trainer plugin (deepspeed): this process is rank shard[0] of
+    # shard[1] and trains only its share of every batch's rows (``share``, ``minibatches``)
+    shard: tuple[int, int] = (0, 1)
 
     @property
     def hook(self) -> Any:
@@ -274,6 +277,15 @@ class Run:
         """Plugin ``name``'s objects that are not checkpointed (a reference model, a thread
         pool, a published service): the dict ``run.resources[name]`` (made on first use)."""
         return self.resources.setdefault(str(name), {})
+
+    def share(self, n: int) -> tuple[int, int]:
+        """The contiguous slice ``[lo, hi)`` of ``n`` items (prompts, rows) this process takes
+        under data parallelism (``shard``; the first ``n % world`` ranks take one more, as
+        ``torch.tensor_split``); ``(0, n)`` in one process."""
+        rank, world = self.shard
+        base, extra = divmod(int(n), max(1, int(world)))
+        lo = rank * base + min(rank, extra)
+        return lo, lo + base + (1 if rank < extra else 0)
 
     def settings(self, name: str) -> Any:
         """The validated settings dataclass of plugin ``name`` (its manifest block)."""
@@ -324,16 +336,19 @@ class Run:
         return batch
 
     def minibatches(self, batch: RolloutBatch) -> Iterator[Minibatch]:
-        """Epochs x updates x accumulation chunks, each with its update's global normalisers."""
+        """Epochs x updates x accumulation chunks, each with its update's global normalisers.
+        Under data parallelism (``shard``) only this process's share of the rows (``share``);
+        the trainer makes the normalisers global across processes."""
         train = self.config.train
-        n = len(batch)
+        lo, hi = self.share(len(batch))
+        n = hi - lo
         updates = max(1, int(train.updates_per_epoch))
         chunks = max(1, int(train.grad_accum))
         norm_constant = float(train.loss_norm_constant or self.config.sampling.max_new_tokens)
         gen = torch.Generator().manual_seed(int(train.seed) * 1_000_003 + self.step)
         for epoch in range(int(train.epochs)):
-            order = (torch.randperm(n, generator=gen) if (updates > 1 and train.shuffle)
-                     else torch.arange(n))
+            order = lo + (torch.randperm(n, generator=gen) if (updates > 1 and train.shuffle)
+                          else torch.arange(n))
             for u, update_rows in enumerate(torch.tensor_split(order, updates)):
                 if len(update_rows) == 0:
                     continue

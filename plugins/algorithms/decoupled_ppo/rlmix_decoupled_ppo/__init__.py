@@ -21,8 +21,8 @@ from rlmix.types import LOSS_MODES, LossTerms, Minibatch, RolloutBatch, Run
 NAME = "decoupled_ppo"
 PROXIMAL = ("ewma", "recompute", "loglinear")
 CAP_MODES = ("mask", "truncate", "none")
-EWMA = "decoupled_ppo.ewma"  # run.resources: the EWMA model
-SYNCED = "decoupled_ppo.synced"  # run.resources: the state dict this plugin last wrote
+EWMA = "ewma"  # run.plugin_resources("decoupled_ppo"): the EWMA model
+SYNCED = "synced"  # run.plugin_resources("decoupled_ppo"): the state dict it last wrote
 PROX_LOGP = "decoupled_ppo.prox_logp"  # batch.extras: proximal log-probs (recompute)
 #: log importance weights are capped here before exp, so a far off-policy token cannot overflow
 LOG_WEIGHT_CAP = 20.0
@@ -110,23 +110,25 @@ def ewma_update(ewma: torch.nn.Module, model: torch.nn.Module, decay: float) -> 
 
 
 def _sync_state(run: Run) -> None:
-    """Point ``run.state["decoupled_ppo"]`` (checkpointed by the core) at the live EWMA."""
-    state = {"ewma": run.resources[EWMA].state_dict(),
-             "updates": run.state.get(NAME, {}).get("updates", 0)}
-    run.state[NAME] = state
-    run.resources[SYNCED] = state
+    """Point ``run.plugin_state("decoupled_ppo")`` (checkpointed by the core) at the live
+    EWMA."""
+    res, state = run.plugin_resources(NAME), run.plugin_state(NAME)
+    state["ewma"] = res[EWMA].state_dict()
+    state.setdefault("updates", 0)
+    res[SYNCED] = state
 
 
 def ewma_model(run: Run) -> torch.nn.Module:
     """The EWMA model; if ``run.state`` holds a state this plugin did not write (a checkpoint
     was restored since), its weights are loaded first."""
-    model = run.resources.get(EWMA)
+    res = run.plugin_resources(NAME)
+    model = res.get(EWMA)
     if model is None:
         raise RuntimeError("decoupled_ppo: proximal: ewma needs the EWMA copy of the policy, "
                            "built by rlmix_configure from a loaded policy")
-    saved = run.state.get(NAME)
-    if saved is not run.resources.get(SYNCED):
-        if isinstance(saved, dict) and "ewma" in saved:
+    saved = run.plugin_state(NAME)
+    if saved is not res.get(SYNCED):
+        if "ewma" in saved:
             model.load_state_dict(saved["ewma"])
         _sync_state(run)
     return model
@@ -160,9 +162,10 @@ def proximal_logp(run: Run, mb: Minibatch, logp: torch.Tensor) -> torch.Tensor:
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s = run.settings(NAME)
-    if s.proximal == "ewma" and run.policy is not None and EWMA not in run.resources:
+    res = run.plugin_resources(NAME)
+    if s.proximal == "ewma" and run.policy is not None and EWMA not in res:
         # starts at the initial weights; a resumed run loads the checkpointed EWMA afterwards
-        run.resources[EWMA] = frozen_copy(run.policy.model)
+        res[EWMA] = frozen_copy(run.policy.model)
         _sync_state(run)
 
 
@@ -184,10 +187,12 @@ def rlmix_update(run: Run, loss: LossTerms) -> Generator[None, Any, Any]:
     version = run.policy_version
     stats = yield
     s = run.settings(NAME)
-    if s.proximal == "ewma" and run.policy_version != version and EWMA in run.resources:
+    if (s.proximal == "ewma" and run.policy_version != version
+            and EWMA in run.plugin_resources(NAME)):
         # an optimizer step happened (the core bumps the version only then)
         ewma_update(ewma_model(run), run.policy.model, s.ewma_decay)  # type: ignore[union-attr]
-        run.state[NAME]["updates"] = run.state[NAME].get("updates", 0) + 1
+        state = run.plugin_state(NAME)
+        state["updates"] = state.get("updates", 0) + 1
     return stats
 
 

@@ -212,6 +212,10 @@ class FakeTrainer:
         return {}
 
 
+def _ewma(run):
+    return run.plugin_resources("decoupled_ppo")[dppo.EWMA]
+
+
 def test_ewma_follows_optimizer_steps_and_proximal_logp_uses_it():
     run, batch = _model_run(["decoupled_ppo.ewma_decay=0.6"], extra={"trainer": FakeTrainer})
     model = run.policy.model
@@ -219,19 +223,19 @@ def test_ewma_follows_optimizer_steps_and_proximal_logp_uses_it():
     terms = LossTerms(loss=torch.zeros(1, 1), mask=torch.ones(1, 1))
     FakeTrainer.skip = True
     run.hook.rlmix_update(run=run, loss=terms)  # a skipped step leaves the EWMA alone
-    for e, s in zip(run.resources[dppo.EWMA].parameters(), start, strict=True):
+    for e, s in zip(_ewma(run).parameters(), start, strict=True):
         torch.testing.assert_close(e, s)
     FakeTrainer.skip = False
     run.hook.rlmix_update(run=run, loss=terms)
     run.hook.rlmix_update(run=run, loss=terms)
     # theta_1 = start + .01, theta_2 = start + .02: ewma = .6 (.6 s + .4 (s + .01)) + .4 (s + .02)
-    for e, s in zip(run.resources[dppo.EWMA].parameters(), start, strict=True):
+    for e, s in zip(_ewma(run).parameters(), start, strict=True):
         torch.testing.assert_close(e, s + 0.6 * 0.4 * 0.01 + 0.4 * 0.02, atol=1e-6, rtol=0)
     assert run.state["decoupled_ppo"]["updates"] == 2
     # the loss's proximal log-probs are the EWMA model's
     logp, entropy = run.policy.logprobs(run, batch)
     with torch.no_grad():
-        expected_prox, _ = run.policy.logprobs(run, batch, model=run.resources[dppo.EWMA])
+        expected_prox, _ = run.policy.logprobs(run, batch, model=_ewma(run))
     prox = dppo.proximal_logp(run, _minibatch(batch), logp)
     torch.testing.assert_close(prox, expected_prox)
     assert float((prox - logp.detach()).abs().max()) > 1e-4  # the policy moved past the EWMA
@@ -242,9 +246,9 @@ def test_ewma_is_restored_from_a_checkpointed_state():
     FakeTrainer.skip = False
     run.hook.rlmix_update(run=run, loss=LossTerms(loss=torch.zeros(1, 1), mask=torch.ones(1, 1)))
     saved = copy.deepcopy(run.state)  # what torch.save / torch.load of run.state give back
-    expected = [p.detach().clone() for p in run.resources[dppo.EWMA].parameters()]
+    expected = [p.detach().clone() for p in _ewma(run).parameters()]
     with torch.no_grad():  # a fresh process would start the EWMA from the initial weights
-        for p in run.resources[dppo.EWMA].parameters():
+        for p in _ewma(run).parameters():
             p.zero_()
     run.state.clear()
     run.state.update(saved)

@@ -182,9 +182,14 @@ def rlmix_sample(run: Run, prompts: list[Prompt]
         # not a batch dots selected (a wrapper's extra round samples other prompts): as is
         return owner
     if [id(p) for p in selection["prompts"]] != [id(p) for p in prompts]:
-        raise RuntimeError(f"plugin '{NAME}': the owner sampled other prompts than it "
-                           "selected: a wrapper outside it changed them (deepspeed's "
-                           "per-rank share does), which it does not support")
+        # a later rlmix_select_prompts cut its choice (a data-parallel trainer's per-rank
+        # share): its budget, rescues and posterior would each see part of the step
+        raise rlmix.ConfigError(
+            f"plugin '{NAME}' chose {len(selection['prompts'])} prompts but the owner sampled "
+            f"{len(prompts)} others: a plugin after it in rlmix_select_prompts changed them "
+            f"(a data-parallel trainer's per-rank share: deepspeed with shard: true on several "
+            f"ranks). {NAME} needs its whole selection sampled in one process: run one process, "
+            f"or set deepspeed.shard: false")
     s: Settings = run.settings(NAME)
     state = _state(run)
     replay, ref_part, ref_ok, rest, predicted, chosen = (selection[k] for k in (

@@ -10,7 +10,8 @@ on executed pairs, as ``eval/foreagent/...``.
 
 Predictors: ``lm`` (an ``rlmix.lm`` model primed with ``report``, a data/task analysis text,
 answering ``{"better": "A"|"B", "confidence": 0.5..1}``), ``resource`` (a function
-``fn(task, text_a, text_b) -> P(a better)`` in ``run.resources["foreagent.predictor"]``, e.g. a
+``fn(task, text_a, text_b) -> P(a better)`` in
+``run.plugin_resources("foreagent")["predictor"]``, e.g. a
 learned head), ``random`` (the control).
 """
 
@@ -140,10 +141,10 @@ def make_preference(run: Run, s: Settings, task: str, texts: Sequence[str],
     if s.predictor == "random":
         return lambda i, j: float(rng.random() < 0.5)
     if s.predictor == "resource":
-        fn = run.resources.get(f"{NAME}.predictor")
+        fn = run.plugin_resources(NAME).get("predictor")
         if fn is None:
             raise rlmix.ConfigError("foreagent.predictor 'resource' needs a function in "
-                                    "run.resources['foreagent.predictor']")
+                                    "run.plugin_resources('foreagent')['predictor']")
         return lambda i, j: fn(task, texts[i], texts[j])
     from rlmix.harness import reflection_lm
 

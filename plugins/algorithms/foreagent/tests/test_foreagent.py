@@ -138,7 +138,7 @@ def _evaluate(predictor: str, verify_top: int, seed: int = 0, tasks: int = 64,
                    [f"foreagent.predictor={predictor}", f"foreagent.verify_top={verify_top}",
                     "foreagent.candidates=8", f"foreagent.eval_tasks={tasks}",
                     "foreagent.metric=world.value", f"foreagent.seed={seed}"])
-    run.resources["foreagent.predictor"] = noisy_predictor(noise, seed)
+    run.plugin_resources("foreagent")["predictor"] = noisy_predictor(noise, seed)
     (metrics,) = [m for m in run.hook.rlmix_evaluate(run=run) if m]
     return metrics, world.metric_calls
 

@@ -213,11 +213,11 @@ def rlmix_configure(run: Run) -> None:
         raise rlmix.ConfigError(f"kto.outcome_term: {s.outcome_term!r} names a plugin that is "
                                 f"not in the manifest's plugins")
     if s.reference == "initial" and run.policy is not None and \
-            "kto.ref_logprobs" not in run.resources:
+            "ref_logprobs" not in run.plugin_resources(NAME):
         from rlmix.policy import frozen_copy
 
         reference = frozen_copy(run.policy.model)  # rebuilt on every start: not checkpointed
-        run.resources["kto.ref_logprobs"] = (
+        run.plugin_resources(NAME)["ref_logprobs"] = (
             lambda batch: run.policy.logprobs(run, batch, model=reference)[0])
 
 
@@ -276,7 +276,7 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
     if s.reference == "behavior":
         ref = batch.behavior_logp.to(logp.device)
     else:
-        ref_fn = run.resources.get("kto.ref_logprobs")
+        ref_fn = run.plugin_resources(NAME).get("ref_logprobs")
         if ref_fn is None:
             raise RuntimeError("kto: reference 'initial' but no reference model (configure)")
         with torch.no_grad():

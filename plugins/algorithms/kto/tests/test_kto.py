@@ -221,7 +221,8 @@ def _train(arm: str, seed: int, steps: int = 100):
     with torch.no_grad():
         policy.logits[:, 0] = TRAP
     reference = copy.deepcopy(policy)
-    run.resources["kto.ref_logprobs"] = lambda batch: reference.logprobs(batch)[0].detach()
+    run.plugin_resources("kto")["ref_logprobs"] = (
+        lambda batch: reference.logprobs(batch)[0].detach())
     first = []
 
     def reward(batch):

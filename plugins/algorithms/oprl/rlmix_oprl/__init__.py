@@ -14,9 +14,9 @@ Each step (the ``rlmix_advantage`` owner):
    the row's group.
 
 The PRM starts as a copy of the policy, the reference is a frozen copy of the starting policy.
-Other engines, or tests, can put their own in ``run.resources``: ``"oprl.prm"`` (an object
-with ``logprobs(batch) -> [N, T]`` differentiable in its ``parameters()``) and
-``"oprl.ref_logprobs"`` (``fn(batch) -> [N, T]``).
+Other engines, or tests, can put their own in ``run.plugin_resources("oprl")``: ``"prm"`` (an
+object with ``logprobs(batch) -> [N, T]`` differentiable in its ``parameters()``) and
+``"ref_logprobs"`` (``fn(batch) -> [N, T]``).
 
 The PRM's weights and its optimiser's state are checkpointed: ``run.plugin_state("oprl")``
 points at the live state dicts after every update, and a restored state (a resumed run) is
@@ -207,23 +207,24 @@ def restore_if_resumed(run: Run, prm: Any, optimizer: torch.optim.Optimizer,
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     s: Settings = run.settings(NAME)
-    if "oprl.ref_logprobs" not in run.resources and run.policy is not None:
+    if "ref_logprobs" not in run.plugin_resources(NAME) and run.policy is not None:
         from rlmix.policy import frozen_copy
 
         reference = frozen_copy(run.policy.model)
-        run.resources["oprl.ref_logprobs"] = (
+        run.plugin_resources(NAME)["ref_logprobs"] = (
             lambda batch: run.policy.logprobs(run, batch, model=reference)[0])
-    if "oprl.prm" not in run.resources and run.policy is not None:
-        run.resources["oprl.prm"] = ModelPRM(run)
-    prm = run.resources.get("oprl.prm")
-    if prm is not None and "oprl.optimizer" not in run.resources:
-        run.resources["oprl.optimizer"] = torch.optim.Adam(prm.parameters(), lr=s.prm_lr)
+    if "prm" not in run.plugin_resources(NAME) and run.policy is not None:
+        run.plugin_resources(NAME)["prm"] = ModelPRM(run)
+    prm = run.plugin_resources(NAME).get("prm")
+    if prm is not None and "optimizer" not in run.plugin_resources(NAME):
+        run.plugin_resources(NAME)["optimizer"] = torch.optim.Adam(prm.parameters(), lr=s.prm_lr)
 
 
 @rlmix.hookimpl
 def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     s: Settings = run.settings(NAME)
-    prm, ref_fn = run.resources.get("oprl.prm"), run.resources.get("oprl.ref_logprobs")
+    own = run.plugin_resources(NAME)
+    prm, ref_fn = own.get("prm"), own.get("ref_logprobs")
     if prm is None or ref_fn is None:
         raise RuntimeError("oprl: no implicit PRM or reference (rlmix_configure not run)")
     assert batch.rewards is not None
@@ -231,7 +232,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     with torch.no_grad():
         ref = ref_fn(batch).detach().to(mask.dtype)
     pairs = preference_pairs(batch.rewards, batch.group, s.max_pairs)
-    optimizer = run.resources["oprl.optimizer"]
+    optimizer = run.plugin_resources(NAME)["optimizer"]
     if restore_if_resumed(run, prm, optimizer, s):
         run.log(f"{NAME}/restored", 1.0)
     loss_value = 0.0

@@ -139,8 +139,8 @@ def _train(arm: str, seed: int, steps: int = 60):
     prm = None
     if arm == "oprl":
         reference = copy.deepcopy(policy)
-        run.resources["oprl.ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
-        run.resources["oprl.prm"] = prm = TablePRM(policy)
+        run.plugin_resources("oprl")["ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
+        run.plugin_resources("oprl")["prm"] = prm = TablePRM(policy)
         oprl.rlmix_configure(run)
     history = toy_train(run, policy, deciding_reward, steps=steps, lr=0.05, n_prompts=4,
                         group_size=8)
@@ -168,7 +168,7 @@ def test_claim_step_credit_lands_on_the_deciding_position(seed):
     outcome = deciding_reward(fresh)
     pairs = oprl.preference_pairs(outcome, fresh.group, max_pairs=64)
     with torch.no_grad():
-        ref = run.resources["oprl.ref_logprobs"](fresh)
+        ref = run.plugin_resources("oprl")["ref_logprobs"](fresh)
         summed = oprl.step_rewards(prm.logprobs(fresh), ref, fresh.completion_mask, 1.0).sum(-1)
     assert len(pairs) >= 100
     assert oprl.pair_order_accuracy(summed, pairs) >= 0.9
@@ -182,8 +182,8 @@ def _oprl_toy_run(start: ToyPolicy, prm: TablePRM):
     run = make_run({"pg": GroupNormPG(), "oprl": oprl},
                    ["oprl.alpha=3.0", "oprl.prm_lr=0.05", "oprl.beta=1.0"])
     reference = copy.deepcopy(start)
-    run.resources["oprl.ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
-    run.resources["oprl.prm"] = prm
+    run.plugin_resources("oprl")["ref_logprobs"] = lambda b: reference.logprobs(b)[0].detach()
+    run.plugin_resources("oprl")["prm"] = prm
     oprl.rlmix_configure(run)
     return run
 
@@ -193,7 +193,7 @@ def test_resume_restores_the_implicit_prm_and_its_optimizer():
     run = _oprl_toy_run(start, TablePRM(start))
     policy = copy.deepcopy(start)
     toy_train(run, policy, deciding_reward, steps=8, lr=0.05, n_prompts=4, group_size=8)
-    trained = run.resources["oprl.prm"].table.logits.detach().clone()
+    trained = run.plugin_resources("oprl")["prm"].table.logits.detach().clone()
     assert not torch.equal(trained, start.logits)  # the PRM learned something
     saved = io.BytesIO()
     torch.save(run.state, saved)  # what the core's checkpoint writes (state.pt)
@@ -210,13 +210,13 @@ def test_resume_restores_the_implicit_prm_and_its_optimizer():
            for name, r in (("live", run), ("resumed", resumed), ("cold", cold))}
     assert resumed.pending_metrics["oprl/restored"] == 1.0
     assert "oprl/restored" not in run.pending_metrics  # the live run is not reloaded
-    live_prm = run.resources["oprl.prm"].table.logits
-    torch.testing.assert_close(resumed.resources["oprl.prm"].table.logits, live_prm)
+    live_prm = run.plugin_resources("oprl")["prm"].table.logits
+    torch.testing.assert_close(resumed.plugin_resources("oprl")["prm"].table.logits, live_prm)
     torch.testing.assert_close(adv["resumed"], adv["live"])
     assert not torch.allclose(adv["cold"], adv["live"])
     # Adam's moments came back too (step count and state), not only the weights
-    steps = [int(v["step"]) for v in resumed.resources["oprl.optimizer"].state.values()]
-    assert steps and steps == [int(v["step"]) for v in run.resources["oprl.optimizer"]
+    steps = [int(v["step"]) for v in resumed.plugin_resources("oprl")["optimizer"].state.values()]
+    assert steps and steps == [int(v["step"]) for v in run.plugin_resources("oprl")["optimizer"]
                                .state.values()]
     assert resumed.state["oprl"]["prm"][0] is not None  # and the live state is synced again
 

@@ -23,7 +23,7 @@ from rlmix.types import LossTerms, Minibatch, Prompt, RolloutBatch, Run
 from rlmix_opsd import base
 
 NAME = "opsd.hdpo"
-PENDING = "opsd.hdpo.kept"  # run.resources: (step, kept batch, plain messages)
+PENDING = "kept"  # run.plugin_resources("opsd.hdpo"): (step, kept batch, plain messages)
 
 
 @dataclass
@@ -88,11 +88,11 @@ def rlmix_advantage(run: Run, batch: RolloutBatch
                     ) -> Generator[None, torch.Tensor | None, torch.Tensor | None]:
     advantages = yield
     s = run.settings(NAME)
-    run.resources.pop(PENDING, None)
+    run.plugin_resources(NAME).pop(PENDING, None)
     if s.lam > 0:
         found = privileged_rollouts(run, batch, s)
         if found is not None:
-            run.resources[PENDING] = (run.step, *found)
+            run.plugin_resources(NAME)[PENDING] = (run.step, *found)
     return advantages
 
 
@@ -101,7 +101,7 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
                ) -> Generator[None, LossTerms | None, LossTerms | None]:
     terms = yield
     s = run.settings(NAME)
-    pending = run.resources.get(PENDING)
+    pending = run.plugin_resources(NAME).get(PENDING)
     if terms is None or s.lam == 0 or pending is None or not mb.last or pending[0] != run.step:
         return terms
     _, kept, plain_messages = pending

@@ -20,8 +20,8 @@ NAME = "ppo"
 OLD_LOGP = ops.OLD_LOGP_CHOICES
 VALUES = "ppo.values"  # batch.extras key: the critic's values at advantage time, [N, T]
 RETURNS = "ppo.returns"  # batch.extras key: the GAE returns (value targets), [N, T]
-_CRITIC, _OPTIMIZER, _SYNCED, _BATCH_METRICS = ("ppo.critic", "ppo.optimizer", "ppo.state",
-                                               "ppo.batch_metrics")
+# in run.plugin_resources("ppo"): the critic, its optimizer, the state dict last synced
+_CRITIC, _OPTIMIZER, _SYNCED = "critic", "optimizer", "synced"
 # shared with the other PPO-style losses, kept in rlmix.ops
 clipped_surrogate = ops.clipped_surrogate
 whiten = ops.masked_whiten
@@ -168,23 +168,26 @@ def build_critic(policy_model: Any) -> ValueModel:
 
 
 def _sync_state(run: Run) -> None:
-    """Point ``run.state["ppo"]`` (checkpointed by the core) at the live critic's state dicts."""
-    model, opt = run.resources[_CRITIC], run.resources[_OPTIMIZER]
-    state = {"critic": model.state_dict(), "optimizer": opt.state_dict()}
-    run.state[NAME] = state
-    run.resources[_SYNCED] = state
+    """Point ``run.plugin_state("ppo")`` (checkpointed by the core) at the live critic's state
+    dicts."""
+    res = run.plugin_resources(NAME)
+    model, opt = res[_CRITIC], res[_OPTIMIZER]
+    state = run.plugin_state(NAME)
+    state.update(critic=model.state_dict(), optimizer=opt.state_dict())
+    res[_SYNCED] = state
 
 
 def critic(run: Run) -> tuple[ValueModel, torch.optim.Optimizer]:
-    """The run's critic and its optimizer. If ``run.state["ppo"]`` is not the state this plugin
-    last wrote (a checkpoint was restored since), its saved weights and optimizer state are
-    loaded into the live critic first."""
-    model, opt = run.resources.get(_CRITIC), run.resources.get(_OPTIMIZER)
+    """The run's critic and its optimizer. If ``run.plugin_state("ppo")`` is not the state this
+    plugin last wrote (a checkpoint was restored since), its saved weights and optimizer state
+    are loaded into the live critic first."""
+    res = run.plugin_resources(NAME)
+    model, opt = res.get(_CRITIC), res.get(_OPTIMIZER)
     if model is None or opt is None:
         raise RuntimeError("ppo: no critic; rlmix_configure has not run with a loaded policy")
-    saved = run.state.get(NAME)
-    if saved is None or saved is not run.resources.get(_SYNCED):
-        if isinstance(saved, dict) and "critic" in saved:
+    saved = run.plugin_state(NAME)
+    if saved is not res.get(_SYNCED):
+        if "critic" in saved:
             model.load_state_dict(saved["critic"])
             if "optimizer" in saved:
                 opt.load_state_dict(saved["optimizer"])
@@ -211,11 +214,12 @@ def rlmix_configure(run: Run) -> None:
     s = run.settings(NAME)
     if run.policy is None:
         return
-    if _CRITIC not in run.resources:
+    res = run.plugin_resources(NAME)
+    if _CRITIC not in res:
         model = build_critic(run.policy.model)
         train = run.config.train
-        run.resources[_CRITIC] = model
-        run.resources[_OPTIMIZER] = torch.optim.AdamW(
+        res[_CRITIC] = model
+        res[_OPTIMIZER] = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=s.critic_lr,
             betas=(float(train.adam_beta1), float(train.adam_beta2)),
             weight_decay=s.critic_weight_decay)
@@ -240,12 +244,13 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     advantages, returns = gae(token_rewards, values, mask, s.gamma, s.lam)
     batch.extras[VALUES] = values
     batch.extras[RETURNS] = returns
-    run.resources[_BATCH_METRICS] = {
+    for name, value in {  # written with the step's metrics (no dict parked in run.resources)
         "critic/explained_variance": explained_variance(values, returns, mask),
         "critic/value_mean": float(ops.masked_mean(values, mask)),
         "critic/return_mean": float(ops.masked_mean(returns, mask)),
         "ppo/advantage_std": float(ops.masked_var(advantages, mask).sqrt()),
-    }
+    }.items():
+        run.log(name, value)
     return whiten(advantages, mask) if s.whiten else advantages
 
 
@@ -276,7 +281,6 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
         "mismatch/behavior_kl": float(ops.masked_mean(behavior - logp.detach(), mask)),
         "critic/value_loss": float(ops.masked_mean(vf.detach(), mask)),
         "critic/vf_clip_fraction": float(ops.masked_mean(vf_clipped.float(), mask)),
-        **run.resources.get(_BATCH_METRICS, {}),
     }
     return LossTerms(loss=loss, mask=mask, mode=s.loss_mode, metrics=metrics,
                      extra=s.vf_coef * vf_loss)
@@ -310,6 +314,6 @@ def rlmix_update(run: Run, loss: LossTerms):  # noqa: ANN201 - a pluggy wrapper 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
     # runs before the core's checkpointer (trylast), so the checkpoint holds the current critic
-    if _CRITIC in run.resources:
+    if _CRITIC in run.plugin_resources(NAME):
         critic(run)
         _sync_state(run)

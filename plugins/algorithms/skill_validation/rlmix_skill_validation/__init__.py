@@ -5,7 +5,7 @@ retrieval context:
 
 * the *base* half (``G // 2`` rows) sees the skills retrieved from the bank for that task;
 * a candidate skill is induced from the base half's trajectories (an ``rlmix.lm`` model, or a
-  function in ``run.resources["skill_validation.generator"]``);
+  function in ``run.plugin_resources("skill_validation")["generator"]``);
 * the *skill* half (the other ``G - G // 2`` rows) sees the same skills plus the candidate.
 
 ``rlmix_sample`` (the owner) does this with exactly ``G`` completions per prompt, no extra
@@ -117,7 +117,7 @@ def admit(bank: list[dict[str, Any]], candidate: dict[str, Any], gap: float, tau
 def induce(run: Run, s: Settings, prompt: Prompt, texts: Sequence[str],
            rewards: Sequence[float]) -> str:
     """One candidate skill from the base half's trajectories."""
-    custom = run.resources.get(f"{NAME}.generator")
+    custom = run.plugin_resources(NAME).get("generator")
     if custom is not None:
         skill = custom(prompt, list(texts), list(rewards))
     else:

@@ -158,7 +158,7 @@ def _run(admit: str, seed: int, steps: int, prompts: int = 4, group: int = 8,
                    [f"skill_validation.admit={admit}", f"skill_validation.tau={tau}",
                     f"train.prompts_per_step={prompts}", f"train.group_size={group}",
                     "skill_validation.k=2"])
-    run.resources["skill_validation.generator"] = generator = careless_inducer()
+    run.plugin_resources("skill_validation")["generator"] = generator = careless_inducer()
     per_step = []
     for step in range(steps):
         run.step = step

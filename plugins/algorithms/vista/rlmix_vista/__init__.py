@@ -26,7 +26,7 @@ from rlmix import distill, ops, sampling
 from rlmix.types import LossTerms, Minibatch, Prompt, RolloutBatch, Run
 
 NAME = "vista"
-PENDING = "vista.anchors"  # run.resources: (step, anchor rows, their advantages)
+PENDING = "anchors"  # run.plugin_resources("vista"): (step, anchor rows, advantages)
 
 
 @dataclass
@@ -131,7 +131,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
     groups = batch.group.unique()
     zero = torch.zeros(int(batch.group.max()) + 1).index_put_((batch.group,), spread_)
     run.log(f"{NAME}/zero_advantage_groups", float((zero[groups] == 0).float().mean()))
-    run.resources.pop(PENDING, None)
+    run.plugin_resources(NAME).pop(PENDING, None)
     if s.anchor:
         per_group = anchor_advantage(batch.rewards, batch.group, s.max_reward,
                                      s.anchor_coef, s.eps)
@@ -143,7 +143,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
             end = distill.stop_token(run, batch)
             anchors = distill.forced_completions(
                 run, batch, rows, [oracle_ids(run, batch.prompts[r], end) for r in rows])
-            run.resources[PENDING] = (run.step, anchors, per_group[active])
+            run.plugin_resources(NAME)[PENDING] = (run.step, anchors, per_group[active])
     return adv
 
 
@@ -151,7 +151,7 @@ def rlmix_advantage(run: Run, batch: RolloutBatch) -> torch.Tensor:
 def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tensor
                ) -> Generator[None, LossTerms | None, LossTerms | None]:
     terms = yield
-    pending = run.resources.get(PENDING)
+    pending = run.plugin_resources(NAME).get(PENDING)
     if terms is None or pending is None or not mb.last or pending[0] != run.step:
         return terms
     _, anchors, advantages = pending

@@ -95,7 +95,7 @@ def test_views_per_group_and_the_anchor_rows_with_the_oracle():
     adv = run.hook.rlmix_advantage(run=run, batch=batch)
     torch.testing.assert_close(adv, group_advantage(batch.rewards, batch.group, 1e-6))
     per_group = anchor_advantage(batch.rewards, batch.group, 1.0, 1.0, 1e-6)
-    step, anchors, anchor_adv = run.resources[PENDING]
+    step, anchors, anchor_adv = run.plugin_resources("vista")[PENDING]
     active = (per_group != 0).nonzero().flatten()
     assert len(anchors) == len(active) > 0
     torch.testing.assert_close(anchor_adv, per_group[active])

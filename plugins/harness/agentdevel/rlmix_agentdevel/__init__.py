@@ -138,10 +138,10 @@ def _run_release(run: Run, state: dict[str, Any], text: str) -> tuple[list[float
 
 
 def _critic(run: Run) -> Any:
-    key = f"{NAME}.critic"
-    if key not in run.resources:
-        run.resources[key] = make_lm(run, run.settings(NAME).critic, key)
-    return run.resources[key]
+    own = run.plugin_resources(NAME)
+    if "critic" not in own:
+        own["critic"] = make_lm(run, run.settings(NAME).critic, f"{NAME}.critic")
+    return own["critic"]
 
 
 def _label(run: Run, state: dict[str, Any], batch: RolloutBatch, scores: list[float],

@@ -85,7 +85,7 @@ def world_run(tmp_path, *overrides, critic=hint_critic):
                     "agentdevel.metric=hintenv.correct", *overrides])
     loop.configure(run)
     run.resources["agentdevel.lm"] = ScriptedLM(reply=spec_writer)
-    run.resources["agentdevel.critic"] = ScriptedLM(reply=critic)
+    run.plugin_resources("agentdevel")["critic"] = ScriptedLM(reply=critic)
     return run
 
 

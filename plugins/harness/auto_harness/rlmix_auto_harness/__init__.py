@@ -90,6 +90,14 @@ class Settings:
 # ---------------------------------------------------------------- routing (pure)
 
 
+def _reset_state(run: Run, value: dict[str, Any]) -> dict[str, Any]:
+    """``run.plugin_state(NAME)`` (checkpointed) set to ``value``, in place."""
+    state = run.plugin_state(NAME)
+    state.clear()
+    state.update(value)
+    return state
+
+
 def features(text: str, harness_texts: Sequence[str] = ()) -> dict[str, int]:
     """Bag of words of a task's text with the harness texts cut out; numbers count as ``#``."""
     for t in sorted((t for t in harness_texts if t and t.strip()), key=len, reverse=True):
@@ -196,10 +204,10 @@ def init_state(run: Run) -> dict[str, Any]:
     names = components(run)
     root = {"id": 0, "parent": None, "texts": {c: run.harness[c] for c in names},
             "origin": "root", "born": run.step, "edits": 0}
-    state = run.state[NAME] = {
+    state = _reset_state(run, {
         "components": names, "nodes": [root], "history": [], "drafts": {}, "metric_calls": 0,
         "splits": 0, "edits": 0, "round": 0, "steps": 0, "log": [], "last": {},
-        "served": {}}
+        "served": {}})
     return state
 
 
@@ -220,7 +228,7 @@ def _run_tasks(run: Run, harness: dict[str, str], tasks: Sequence[Task]
         scores, batch = score_tasks(run, harness, tasks, temperature=s.temperature,
                                     max_new_tokens=s.max_new_tokens or None, metric=s.metric,
                                     owner=NAME)
-    run.state[NAME]["metric_calls"] += len(tasks)
+    run.plugin_state(NAME)["metric_calls"] += len(tasks)
     return scores, batch
 
 
@@ -238,7 +246,7 @@ def _save_tree(run: Run, state: dict[str, Any]) -> None:
 
 def route_prompts(run: Run, step: int, prompts: list[Prompt]) -> list[Prompt]:
     """Each prompt re-rendered under the node the router picks from its text."""
-    state = run.state.get(NAME)
+    state = run.plugin_state(NAME)
     if not state:
         return prompts
     s = run.settings(NAME)
@@ -295,7 +303,7 @@ def _check_set(state: dict[str, Any], node: int, tasks: list[Task], routed: list
 def evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
     """One step: hindsight scores of every node, the losses, history, then one reflection."""
     s = run.settings(NAME)
-    state = run.state.get(NAME) or init_state(run)
+    state = run.plugin_state(NAME) or init_state(run)
     if not state["components"]:
         return None
     tasks, routed, prompts = step_tasks(run, batch)
@@ -420,7 +428,7 @@ def _reflect(run: Run, state: dict[str, Any], target: int, tasks: list[Task],
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     configure_evolver(run, NAME)
-    if NAME not in run.state:
+    if not run.plugin_state(NAME):
         init_state(run)
 
 
@@ -440,7 +448,7 @@ def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    state = run.state.get(NAME)
+    state = run.plugin_state(NAME)
     if not state:
         return
     metrics[f"{NAME}/nodes"] = len(state["nodes"])

@@ -174,9 +174,9 @@ def init_state(run: Run) -> dict[str, Any]:
 def _teacher_demos(run: Run, state: dict[str, Any], failed: list[int]) -> None:
     """Bank the teacher's runs on failed evaluation tasks it has not demonstrated yet."""
     s = run.settings(NAME)
-    key = f"{NAME}.teacher"
-    teacher = run.resources.get(key) or run.resources.setdefault(
-        key, make_lm(run, s.teacher, f"{NAME}.teacher"))
+    own = run.plugin_resources(NAME)
+    teacher = own.get("teacher") or own.setdefault(
+        "teacher", make_lm(run, s.teacher, f"{NAME}.teacher"))
     todo = [i for i in failed if i not in state["taught"]][:max(1, s.demos_per_prompt)]
     if not todo:
         return

@@ -148,7 +148,7 @@ def test_teacher_demonstrations_are_banked_and_used(tmp_path):
 
     run = world_run(tmp_path, "demo_evolve.demo_source=teacher", f"demo_evolve.budget={BUDGET}")
     run.resources["demo_evolve.lm"] = ScriptedLM(reply=demo_reader(seed=0))
-    run.resources["demo_evolve.teacher"] = ScriptedLM(reply=teacher)
+    run.plugin_resources("demo_evolve")["teacher"] = ScriptedLM(reply=teacher)
     state = evolve(run)
     assert sum(state["scores"]) / 8 == 1.0
     assert state["teacher_calls"] == len(state["demos"]) >= 3

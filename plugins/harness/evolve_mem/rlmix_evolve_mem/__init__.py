@@ -124,6 +124,14 @@ class Settings:
             raise ValueError("text_chars: must be >= 16 (and max_new_tokens >= 0)")
 
 
+def _reset_state(run: Run, value: dict[str, Any]) -> dict[str, Any]:
+    """``run.plugin_state(NAME)`` (checkpointed) set to ``value``, in place."""
+    state = run.plugin_state(NAME)
+    state.clear()
+    state.update(value)
+    return state
+
+
 def initial_config(s: Settings) -> dict[str, Any]:
     return {f: getattr(s, f) for f in FIELDS}
 
@@ -281,14 +289,14 @@ def diagnosis_prompt(config: dict[str, Any], s: Settings, logs: Sequence[dict[st
 
 
 def state_of(run: Run) -> dict[str, Any]:
-    state = run.state.get(NAME)
-    if state is None:
+    state = run.plugin_state(NAME)
+    if not state:
         s = run.settings(NAME)
-        state = run.state[NAME] = {
+        state = _reset_state(run, {
             "config": initial_config(s), "memory": [], "next_id": 0, "round": 0,
             "score": None, "best": None, "best_config": initial_config(s), "stagnant": 0,
             "pending": None, "tabu": [], "metric_calls": 0, "reverts": 0, "explores": 0,
-            "lm_fallbacks": 0, "history": []}
+            "lm_fallbacks": 0, "history": []})
     return state
 
 
@@ -499,7 +507,7 @@ def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    state = run.state.get(NAME)
+    state = run.plugin_state(NAME)
     if not state or state["score"] is None:
         return
     metrics[f"{NAME}/score"] = state["score"]

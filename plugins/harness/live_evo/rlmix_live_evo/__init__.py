@@ -130,6 +130,14 @@ class Settings:
 # ---------------------------------------------------------------- retrieval (pure)
 
 
+def _reset_state(run: Run, value: dict[str, Any]) -> dict[str, Any]:
+    """``run.plugin_state(NAME)`` (checkpointed) set to ``value``, in place."""
+    state = run.plugin_state(NAME)
+    state.clear()
+    state.update(value)
+    return state
+
+
 def retrieval_scores(items: Sequence[dict[str, Any]], task: str, relevance: float
                      ) -> list[float]:
     """``weight * exp(relevance * similarity(task, item's task))`` for each item."""
@@ -274,12 +282,12 @@ def find_duplicate(bank: Sequence[dict[str, Any]], lesson: str, threshold: float
 
 
 def state_of(run: Run) -> dict[str, Any]:
-    state = run.state.get(NAME)
-    if state is None:
-        state = run.state[NAME] = {
+    state = run.plugin_state(NAME)
+    if not state:
+        state = _reset_state(run, {
             "experiences": [], "guidelines": [], "next_id": 0, "steps": 0, "ema": None,
             "baseline_rollouts": 0, "pruned": 0, "distill_failed": 0, "last": {}, "log": [],
-            "forgotten": []}
+            "forgotten": []})
     return state
 
 
@@ -508,7 +516,7 @@ def rlmix_evolve(run: Run, batch: RolloutBatch) -> HarnessUpdate | None:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    state = run.state.get(NAME)
+    state = run.plugin_state(NAME)
     if not state:
         return
     exps = state["experiences"]

@@ -218,8 +218,10 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> Generator[None, Any,
     with rendering(run, NAME):
         first = first_pass(run, request)
         blocks, records = contexts(run, first)
-    # rebinding (not mutating) the request's list: the caller's list stays as it was
-    request.prompts = [with_context(p, b, r) for p, b, r in zip(request.prompts, blocks, records)]
+    # rebinding (not mutating) the request's list for the owner, and putting the caller's back
+    # after it (below): the caller's list and request are as they were once the call returns
+    original = request.prompts
+    request.prompts = [with_context(p, b, r) for p, b, r in zip(original, blocks, records)]
     state = state_of(run)
     state["first_rollouts"] += len(first)
     state["calls"] += 1
@@ -227,7 +229,10 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> Generator[None, Any,
     run.log(f"{NAME}/first_pass_score", mean(firsts))
     run.log(f"{NAME}/context_tokens", mean([float(r["tokens"]) for r in records]))
     run.log(f"{NAME}/first_rollouts_total", state["first_rollouts"])
-    return (yield)
+    try:
+        return (yield)
+    finally:
+        request.prompts = original
 
 
 @rlmix.hookimpl

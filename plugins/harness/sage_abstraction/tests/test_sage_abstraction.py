@@ -22,6 +22,7 @@ from rlmix.testing.memory_worlds import (
     WorkflowEnv,
     workflow_agent,
 )
+from rlmix.types import GenerationRequest
 
 EXAMPLE = sage.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/sage_abstraction-arith.yaml"
 
@@ -148,10 +149,18 @@ def test_wrapper_keeps_the_callers_list_and_runs_in_training(tmp_path):
     assert [p.messages[-1]["content"] for p in prompts] == before
     assert all("Plan from your previous attempt" in p.messages[-1]["content"]
                for p in batch.prompts)
+    # the caller's request object too: the owner saw the rewritten prompts, the caller's stay
+    request = GenerationRequest(prompts=list(prompts), n=1, temperature=0.0, top_p=1.0,
+                                top_k=0, max_new_tokens=int(run.config.sampling.max_new_tokens))
+    mine = request.prompts
+    again = run.hook.rlmix_generate(run=run, request=request)
+    assert request.prompts is mine and [p.messages[-1]["content"] for p in mine] == before
+    assert all("Plan from your previous attempt" in p.messages[-1]["content"]
+               for p in again.prompts)
     metrics = loop.train_step(run)  # the training path: rlmix_sample -> rlmix_generate
     assert "sage_abstraction/first_pass_score" in metrics
     assert metrics["reward/mean"] >= 0.75
-    assert run.state["sage_abstraction"]["first_rollouts"] == 10
+    assert run.state["sage_abstraction"]["first_rollouts"] == 15  # 5 per call, 3 calls
 
 
 def test_lm_abstraction(tmp_path):

@@ -27,7 +27,7 @@ from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "partial"
 TOKEN_VERSION = "token_version"
-STATS = "partial.stats"
+STATS = "stats"  # run.plugin_resources("partial"): per-step stats the sampler made
 
 
 @dataclass
@@ -255,10 +255,9 @@ def to_batch(groups: list[dict[str, Any]], pad_id: int, tokenizer: Any) -> Rollo
 
 
 def _state(run: Run) -> dict[str, Any]:
-    state = run.state.get(NAME)
-    if not isinstance(state, dict) or "pool" not in state:
-        state = new_state()
-        run.state[NAME] = state
+    state = run.plugin_state(NAME)
+    if "pool" not in state:
+        state.update(new_state())
     return state
 
 
@@ -331,7 +330,7 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
         del returned[key]
     batch = to_batch(chosen, pad_id, run.policy.tokenizer)
     carried = [m for g in state["pool"] for m in g["members"] if m["tokens"]]
-    run.resources.setdefault(STATS, {})[step] = {
+    run.plugin_resources(NAME).setdefault(STATS, {})[step] = {
         "partial/decode_steps": float(decode_steps),
         "partial/groups_in_flight": float(len(state["pool"])),
         "partial/carried_tokens": float(sum(len(m["tokens"]) for m in carried)),
@@ -345,7 +344,7 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    stats = run.resources.get(STATS, {})  # the async worker adds to it from its thread
+    stats = run.plugin_resources(NAME).get(STATS, {})  # the async worker adds to it from its thread
     metrics.update(stats.pop(run.step - 1, {}))
     for key in list(stats):
         if key < run.step - 1:

@@ -170,7 +170,8 @@ def test_nothing_is_discarded_and_a_step_ends_before_the_longest_response() -> N
         batch = _sample(run, step)
         _check_groups(batch, 3, 64)
         returned += sorted({i["partial"]["group_id"] for i in batch.info})
-        partial_steps += int(run.resources[rlmix_partial.STATS][step]["partial/decode_steps"])
+        stats = run.plugin_resources("partial")[rlmix_partial.STATS]
+        partial_steps += int(stats[step]["partial/decode_steps"])
         # the synchronous schedule: this step's groups, decoded until the longest ends
         prompts = run.hook.rlmix_prompts(run=run, step=step)
         rows = [rlmix_partial._prompt_ids(run, p) for p in prompts for _ in range(3)]
@@ -197,7 +198,7 @@ def test_a_resumed_async_run_gets_back_the_groups_it_never_trained() -> None:
             [i["partial"]["group_id"] for i in new.info]
         assert torch.equal(old.tokens, new.tokens)
         assert torch.equal(old.behavior_logp, new.behavior_logp)
-    assert run.resources[rlmix_partial.STATS][1]["partial/decode_steps"] == 0
+    assert run.plugin_resources("partial")[rlmix_partial.STATS][1]["partial/decode_steps"] == 0
 
 
 def test_settings_are_checked() -> None:

@@ -10,6 +10,11 @@ Weights: after each update the driver puts its state dict in Ray's object store 
 (``ray.put``) and sends the reference with every request; a worker whose version is behind loads
 it before generating, so every sample carries the version that produced it.
 
+Scoring: with ``ray.score: true`` each worker scores the rows it generated
+(``rlmix.loop.score`` with its own copy of the manifest's scorers) and the driver keeps those
+terms (score once: ``loop.score`` does not call a scorer whose terms are present), so an
+expensive verifier (the ``code`` env's sandbox) runs in parallel across workers.
+
 Faults: a request whose worker died (``RayActorError``) is sent again to a fresh worker that
 replaces it, with the same prompts, so the batch is complete; ``ray.max_restarts`` bounds the
 replacements per call.
@@ -52,6 +57,9 @@ class Settings:
     max_restarts: int = 4  # dead workers replaced per generate call before giving up
     timeout_s: float = 600.0  # one worker's answer; a worker past it is treated as dead
     exclude: list[str] = field(default_factory=list)  # more plugin names workers leave out
+    # workers score their rows and the driver keeps the terms; for stateless scorers only
+    # (a learned reward head, a judge or counters on the driver would be stale copies there)
+    score: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -168,7 +176,7 @@ class RolloutWorker:
                 "index": self.index, "plugins": list(self.run.plugin_names)}
 
     def generate(self, request: dict[str, Any], version: int, weights: list[Any],
-                 step: int) -> RolloutBatch:
+                 step: int, score: bool = False) -> RolloutBatch:
         run = self.run
         assert run.policy is not None
         if version > self.version:
@@ -185,6 +193,10 @@ class RolloutWorker:
         if batch is None:
             raise RuntimeError(f"ray worker {self.index}: no plugin among {run.plugin_names} "
                                "returned a batch from rlmix_generate")
+        if score:  # the terms travel with the batch; the driver's loop.score keeps them
+            from rlmix import loop
+
+            loop.score(run, batch)
         return batch
 
 
@@ -263,7 +275,7 @@ def start_ray(settings: Settings) -> bool:
 
 
 def _pool(run: Run) -> Pool:
-    pool = run.resources.get(NAME)
+    pool = run.plugin_resources(NAME).get("pool")
     if not isinstance(pool, Pool):
         raise RuntimeError("plugin 'ray' has no worker pool (was rlmix_configure run?)")
     return pool
@@ -272,7 +284,7 @@ def _pool(run: Run) -> Pool:
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     settings: Settings = run.settings(NAME)
-    if isinstance(run.resources.get(NAME), Pool):
+    if isinstance(run.plugin_resources(NAME).get("pool"), Pool):
         return
     from omegaconf import OmegaConf
 
@@ -292,7 +304,7 @@ def rlmix_configure(run: Run) -> None:
     started = start_ray(settings)
     pool = Pool(settings=settings, config=config, specs=specs, started_ray=started)
     pool.workers = [pool.new_worker() for _ in range(settings.workers)]
-    run.resources[NAME] = pool
+    run.plugin_resources(NAME)["pool"] = pool
     weakref.finalize(run, _kill_workers, pool)
 
 
@@ -324,7 +336,8 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch:
         lo, hi = spans[i]
         worker = pool.workers[i % len(pool.workers)]
         return worker.generate.remote({"prompts": request.prompts[lo:hi], **fields},
-                                      pool.version, [pool.weights], run.step)
+                                      pool.version, [pool.weights], run.step,
+                                      pool.settings.score)
 
     pending = {i: submit(i) for i in range(len(spans))}
     parts: list[RolloutBatch | None] = [None] * len(spans)
@@ -362,7 +375,7 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch:
 
 def shutdown(run: Run) -> None:
     """Kill the run's workers (and the Ray instance the plugin started)."""
-    pool = run.resources.pop(NAME, None)
+    pool = run.plugin_resources(NAME).pop("pool", None)
     if not isinstance(pool, Pool):
         return
     import ray

@@ -17,7 +17,14 @@ from rlmix import ops
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 
+@dataclass
+class EnvSettings:
+    count_file: str = ""  # each scorer call appends "<pid> <rows>" here (any process)
+
+
 class ProbeEnv:
+    Settings = EnvSettings
+
     @rlmix.hookimpl
     def rlmix_prompts(self, run: Run, step: int) -> list[Prompt]:
         return [Prompt(messages=[{"role": "user", "content": f"task {step}-{i}"}],
@@ -25,7 +32,12 @@ class ProbeEnv:
 
     @rlmix.hookimpl
     def rlmix_score(self, run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
-        run.resources.setdefault("probe.scored", []).append(len(batch))  # batch sizes seen
+        # the batch sizes this process scored
+        run.plugin_resources("probe_env").setdefault("scored", []).append(len(batch))
+        path = run.settings("probe_env").count_file
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {len(batch)}\n")
         even = ((batch.tokens % 2) == 0).float()
         return {"even": ops.masked_mean(even, batch.completion_mask.float(), dim=-1)}
 

@@ -149,7 +149,7 @@ def _kill_soon(victim, after=0.4):
 def test_a_worker_killed_mid_call_is_replaced_and_its_prompts_resampled(run):
     import ray
 
-    pool = run.resources["ray"]
+    pool = run.plugin_resources("ray")["pool"]
     old = ray.get([w.where.remote() for w in pool.workers])
     replaced = pool.replaced
     timer = _kill_soon(pool.workers[0])
@@ -172,7 +172,7 @@ def test_a_worker_killed_mid_call_is_replaced_and_its_prompts_resampled(run):
 
 @pytest.mark.slow
 def test_a_step_completes_when_a_worker_dies_during_it(run):
-    pool = run.resources["ray"]
+    pool = run.plugin_resources("ray")["pool"]
     replaced, before = pool.replaced, run.policy_version
     timer = _kill_soon(pool.workers[1])
     try:
@@ -182,4 +182,36 @@ def test_a_step_completes_when_a_worker_dies_during_it(run):
     assert pool.replaced == replaced + 1
     assert run.policy_version == before + 1
     assert metrics["response_length/mean"] == 4.0
-    assert run.resources["probe.scored"][-1] == PROMPTS * GROUP  # the step trained a full batch
+    # the step trained a full batch
+    assert run.plugin_resources("probe_env")["scored"][-1] == PROMPTS * GROUP
+
+
+@pytest.mark.slow
+def test_workers_score_their_rows_once_and_the_driver_scores_none(run, tmp_path):
+    """``ray.score: true``: every generated row is scored exactly once per step, in the worker
+    that generated it (the scorer appends "<pid> <rows>" to a file from any process), and the
+    driver's ``loop.score`` keeps those terms instead of scoring again."""
+    count = tmp_path / "scored.txt"
+    plugins = {"probe_env": ray_probe.ProbeEnv, "probe_rollout": ray_probe.ProbeRollout,
+               "algo": SimpleAlgorithm, "ray": rlmix_ray}
+    # cpus_per_worker=0: the module's run holds the instance's two CPUs with its own workers
+    scoring = make_run(plugins, [f"train.prompts_per_step={PROMPTS}", f"train.group_size={GROUP}",
+                                 "sampling.max_new_tokens=4", "ray.workers=2", "ray.score=true",
+                                 "ray.cpus_per_worker=0", "policy.threads=1",
+                                 f"probe_env.count_file={count}"], with_policy=True)
+    loop.configure(scoring)
+    try:
+        for _ in range(2):
+            count.write_text("")
+            on_driver = len(scoring.plugin_resources("probe_env").get("scored", []))
+            metrics = loop.train_step(scoring)
+            calls = [tuple(map(int, line.split())) for line in count.read_text().splitlines()]
+            assert sum(rows for _, rows in calls) == PROMPTS * GROUP  # each row once
+            assert sorted(rows for _, rows in calls) == [GROUP * PROMPTS // 2] * 2  # per worker
+            assert os.getpid() not in {pid for pid, _ in calls}
+            assert len({pid for pid, _ in calls}) == 2
+            # none on the driver
+            assert len(scoring.plugin_resources("probe_env").get("scored", [])) == on_driver
+            assert metrics["reward/mean"] == pytest.approx(metrics["reward/probe_env.even"])
+    finally:
+        rlmix_ray.shutdown(scoring)

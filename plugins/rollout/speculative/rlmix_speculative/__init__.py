@@ -112,7 +112,8 @@ def default_candidates(k: int) -> list[int]:
 
 
 class Speculator:
-    """The plugin's per-run object (``run.resources["speculative"]``): drafter, cost model,
+    """The plugin's per-run object (``run.plugin_resources("speculative")["speculator"]``):
+    drafter, cost model,
     metrics of the calls since the last step end."""
 
     def __init__(self, settings: Settings, model: Any) -> None:
@@ -141,21 +142,25 @@ class Speculator:
         self.stats: list[SpecStats] = []
         self._state: dict[str, Any] | None = None
 
-    # ---- checkpointed state (run.state["speculative"])
+    # ---- checkpointed state (run.plugin_state("speculative"), i.e. run.state["speculative"])
     def state(self) -> dict[str, Any]:
         # the cost model's timings belong to this machine and this process (a resumed run may
         # land elsewhere): they stay out of the checkpoint and are measured again
-        self._state = {"drafter": self.drafter.state() if self.drafter is not None else None,
-                       "drafter_kind": self.settings.drafter}
-        return self._state
+        return {"drafter": self.drafter.state() if self.drafter is not None else None,
+                "drafter_kind": self.settings.drafter}
+
+    def publish(self, run: Run) -> None:
+        """Write our state into ``run.plugin_state("speculative")`` (checkpointed)."""
+        self._state = run.plugin_state(NAME)
+        self._state.update(self.state())
 
     def sync(self, run: Run) -> None:
-        """Adopt ``run.state`` when a checkpoint restore replaced it; then publish ours."""
-        current = run.state.get(NAME)
-        if current is not None and current is not self._state:
+        """Adopt the checkpointed state when a restore replaced it; then publish ours."""
+        current = run.plugin_state(NAME)
+        if current is not self._state:
             if current.get("drafter") and current.get("drafter_kind") == self.settings.drafter:
                 self.drafter.load_state(current["drafter"])
-        run.state[NAME] = self.state()
+        self.publish(run)
 
     def choose_k(self) -> int:
         if self.drafter is None:
@@ -195,7 +200,7 @@ class Speculator:
 
 
 def speculator(run: Run) -> Speculator:
-    spec = run.resources.get(NAME)
+    spec = run.plugin_resources(NAME).get("speculator")
     if spec is None:
         raise RuntimeError("the speculative plugin was not configured (rlmix_configure)")
     spec.sync(run)
@@ -222,8 +227,8 @@ def rlmix_configure(run: Run) -> None:
         spec = Speculator(s, model)
     except ValueError as exc:
         raise rlmix.ConfigError(f"{NAME}.init_from: {exc}") from exc
-    run.resources[NAME] = spec
-    run.state[NAME] = spec.state()
+    run.plugin_resources(NAME)["speculator"] = spec
+    spec.publish(run)
 
 
 @rlmix.hookimpl
@@ -265,7 +270,7 @@ def rlmix_generate(run: Run, request: GenerationRequest) -> RolloutBatch:
 
 @rlmix.hookimpl
 def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
-    spec = run.resources.get(NAME)
+    spec = run.plugin_resources(NAME).get("speculator")
     if spec is None:
         return
     spec.sync(run)
@@ -276,7 +281,7 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         metrics.update(spec.drafter.train(spec.settings.train_steps))
         metrics[f"{NAME}/drafter_train_s"] = time.perf_counter() - t0
-    run.state[NAME] = spec.state()
+    spec.publish(run)
 
 
 def save_run_drafter(run: Run, path: str | Path) -> Path:

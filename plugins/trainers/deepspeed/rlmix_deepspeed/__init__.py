@@ -9,8 +9,9 @@ last one, so the step's gradient is exactly the core default's.
 
 Several processes (``torchrun --nproc_per_node K -m rlmix run m.yaml``): every rank draws the
 same prompts (``rlmix_prompts`` is deterministic in the step); each rank samples its contiguous
-share and the shares are all-gathered, so every rank holds the whole batch for scoring and
-advantages (group statistics need whole groups). Each rank then trains on its share of the rows;
+share (its ``rlmix_select_prompts``, run last, returns it) and the shares are all-gathered, so
+every rank holds the whole batch for scoring and advantages (group statistics need whole
+groups). Each rank then trains on its share of the rows (``run.shard``: ``Run.minibatches``);
 the normalisers are summed over ranks before the loss is aggregated and the loss is multiplied by
 the world size (DeepSpeed averages gradients over data-parallel ranks), so the gradient equals
 the one-process gradient of the whole batch. ``shard: false`` instead has rank 0's batch
@@ -20,7 +21,6 @@ broadcast and every rank train on all of it (no data parallelism, only ZeRO's me
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import shutil
@@ -74,7 +74,6 @@ class Trainer:
     root: Path  # the run folder shared by all ranks (rank > 0 logs under root/ranks/rank-N)
     device: torch.device
     resume_checked: bool = False
-    full_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def data_parallel(self) -> bool:
@@ -211,6 +210,15 @@ def _trainer(run: Run) -> Trainer | None:
 @rlmix.hookimpl
 def rlmix_configure(run: Run) -> None:
     settings: Settings = run.settings(NAME)
+    if settings.stage == 3 and int(run.config.train.max_staleness) > 0:
+        # the async sampler's worker refreshes its weight copy from run.policy.model in its own
+        # thread; a ZeRO-3 module's state_dict holds empty shards, and gathering the full
+        # parameters is a collective the trainer thread may be inside at the same moment
+        raise rlmix.ConfigError(
+            f"deepspeed.stage: 3 cannot run with train.max_staleness: "
+            f"{int(run.config.train.max_staleness)} (asynchronous sampling): the sampler's "
+            f"weight copy would be refreshed from partitioned parameters; use stage 0, 1 or 2, "
+            f"or train.max_staleness: 0")
     if run.policy is None:
         raise rlmix.ConfigError("plugin 'deepspeed' needs the policy loaded before configure")
     if _trainer(run) is not None:
@@ -235,6 +243,8 @@ def rlmix_configure(run: Run) -> None:
               "a rollout engine that stops early on some ranks hangs (with hf, set "
               "hf.stop_at_eos=false, or sample with ray/vllm)", file=sys.stderr)
     run.plugin_resources(NAME)["setup"] = (rank, world, run.out_dir, device)
+    if world > 1 and settings.shard:  # the core trains this rank's rows (Run.minibatches)
+        run.shard = (rank, world)
     if rank > 0:  # one run folder for rank 0's metrics and checkpoints; the others log apart
         run.out_dir = run.out_dir / "ranks" / f"rank-{rank}"
     run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
@@ -350,10 +360,23 @@ def rlmix_token_logprobs(run: Run, hidden: torch.Tensor, lm_head: torch.nn.Modul
     return logp, entropy
 
 
+@rlmix.hookimpl(trylast=True)
+def rlmix_select_prompts(run: Run, prompts: list[Prompt]) -> list[Prompt] | None:
+    """Data parallel (``shard`` on several ranks): this rank's contiguous share of the prompts,
+    as a new list (the caller's is left alone). ``trylast``, so every other selection (aero,
+    dots) is made first, on the whole list, identically on every rank."""
+    tr = _trainer(run)
+    if tr is None or not tr.data_parallel:
+        return None
+    lo, hi = run.share(len(prompts))
+    return list(prompts[lo:hi])
+
+
 @rlmix.hookimpl(wrapper=True, tryfirst=True)
 def rlmix_sample(run: Run, prompts: list[Prompt]) -> Any:
-    """Several ranks: each samples its share of the prompts and the shares are all-gathered
-    (``shard``), or rank 0's batch is broadcast; every rank ends with the same whole batch."""
+    """Several ranks: the owner sampled this rank's share (``rlmix_select_prompts`` above) and
+    the shares are all-gathered (``shard``), or rank 0's batch is broadcast; every rank ends
+    with the same whole batch."""
     tr = _trainer(run)
     if tr is not None:
         _restore_once(run, tr)
@@ -362,45 +385,14 @@ def rlmix_sample(run: Run, prompts: list[Prompt]) -> Any:
     import torch.distributed as dist
 
     pad = run.tokenizer.pad_token_id if run.tokenizer is not None else 0
+    batch = yield
     if not tr.settings.shard:
-        batch = yield
         box = [batch if tr.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    everything = list(prompts)
-    lo, hi = share(len(everything), tr.rank, tr.world)
-    prompts[:] = everything[lo:hi]  # the owner (and inner wrappers) sample this rank's share
-    try:
-        batch = yield
-    finally:
-        prompts[:] = everything
     parts: list[Any] = [None] * tr.world
     dist.all_gather_object(parts, batch)
     return RolloutBatch.concat(parts, pad)
-
-
-@rlmix.hookimpl(wrapper=True, tryfirst=True)
-def rlmix_advantage(run: Run, batch: RolloutBatch) -> Any:
-    """Data parallel: advantages are computed on the whole batch (whole groups), then the batch
-    is cut, in place, to this rank's rows, which are all this rank trains on."""
-    advantages = yield
-    tr = _trainer(run)
-    if tr is None or not tr.data_parallel or advantages is None:
-        return advantages
-    assert batch.rewards is not None
-    comp = batch.completion_mask
-    tr.full_metrics = {
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std()) if len(batch) > 1 else 0.0,
-        **{f"reward/{k}": float(v.mean()) for k, v in batch.reward_terms.items()},
-        "response_length/mean": float(comp.sum(-1).float().mean()),
-    }
-    lo, hi = share(len(batch), tr.rank, tr.world)
-    rows = torch.arange(lo, hi)
-    local = batch.select(rows)
-    for f in dataclasses.fields(RolloutBatch):
-        setattr(batch, f.name, getattr(local, f.name))
-    return advantages[rows]
 
 
 @rlmix.hookimpl(wrapper=True, tryfirst=True)
@@ -428,10 +420,9 @@ def rlmix_step_end(run: Run, metrics: dict[str, Any]) -> Any:
     tr = _trainer(run)
     if tr is None:
         return (yield)
-    if tr.data_parallel:
+    if tr.data_parallel:  # the reward metrics are the whole batch's already (run.shard)
         import torch.distributed as dist
 
-        metrics.update(tr.full_metrics)
         if "loss" in metrics:  # each rank's loss is its share of the whole batch's: sum them
             total = torch.tensor([float(metrics["loss"])], dtype=torch.float64, device=tr.device)
             dist.all_reduce(total)

@@ -115,6 +115,25 @@ def test_token_logprobs_declines_unless_stage_3(tiny_model):
     assert (entropy > 0).all()
 
 
+@pytest.mark.parametrize("stage, refused", [(3, True), (2, False)])
+def test_async_sampling_with_zero3_is_refused_naming_both_settings(stage, refused, monkeypatch):
+    """ZeRO-3 partitions the parameters the async sampler would copy from its own thread:
+    refused at configure, before any process group or engine exists."""
+    run = make_run({"deepspeed": rlmix_deepspeed}, [f"deepspeed.stage={stage}",
+                                                    "train.max_staleness=1"])
+    started = []
+    monkeypatch.setattr(rlmix_deepspeed, "init_distributed", lambda *a: started.append(a))
+    if refused:
+        with pytest.raises(rlmix.ConfigError) as info:
+            rlmix_deepspeed.rlmix_configure(run)
+        assert "deepspeed.stage: 3" in str(info.value)
+        assert "train.max_staleness" in str(info.value)
+        assert started == []
+    else:  # stages 0-2 keep full weights on every rank: allowed (stops at the missing policy)
+        with pytest.raises(rlmix.ConfigError, match="policy loaded"):
+            rlmix_deepspeed.rlmix_configure(run)
+
+
 def test_missing_engine_is_a_clear_error():
     run = make_run({"deepspeed": rlmix_deepspeed})
     with pytest.raises(RuntimeError, match="no engine"):
