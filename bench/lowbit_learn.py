@@ -4,12 +4,13 @@ sampler weights, each with and without TIS, on the same seeds.
 Every run is the demo (``examples/grpo-arith.yaml``: SmolLM2-135M-Instruct, two-digit additions,
 its settings, 40 steps, held-out greedy accuracy on 100 problems every 10 steps) with one change
 of sampler: ``fp32`` is the demo as it is (rollouts from the trainer's own model); ``bf16`` and
-``int8`` add ``lowbit_rollout`` (a bf16 copy; weight-only int8 linears and an int8 LM head);
+``int8`` add ``lowbit_rollout`` (a bf16 copy; weight-only int8 linears and an int8 LM head;
+``int8dyn``: fbgemm's dynamic int8 linears, the fastest decode in bench/lowbit_decode.py);
 ``-tis`` adds ``rollout_correction`` (token-level TIS, cap 2). The trainer (fp32 master weights,
 bf16 autocast, as in the demo) and everything else are the same; so are the prompts and the
 seed. The held-out evaluation always runs on the fp32 master weights.
 
-    python bench/lowbit_learn.py                                  # 6 configs x seeds 0 1 2
+    python bench/lowbit_learn.py                                  # 8 configs x seeds 0 1 2
     python bench/lowbit_learn.py --configs fp32 int8-tis --seeds 0 --parallel 2
     python bench/lowbit_learn.py --target 0.54    # + time to reach an accuracy (TRL's 40-step)
     python bench/lowbit_learn.py --model tiny-random --steps 2    # plumbing only (fast)
@@ -51,8 +52,14 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {  # name: (extra plugins, ove
     "int8": (["lowbit_rollout"], ["lowbit_rollout.precision=int8"]),
     "int8-tis": (["lowbit_rollout", "rollout_correction"],
                  ["lowbit_rollout.precision=int8", *TIS]),
+    "int8dyn": (["lowbit_rollout"], ["lowbit_rollout.precision=int8",
+                                     "lowbit_rollout.int8_kernel=dynamic"]),
+    "int8dyn-tis": (["lowbit_rollout", "rollout_correction"],
+                    ["lowbit_rollout.precision=int8", "lowbit_rollout.int8_kernel=dynamic",
+                     *TIS]),
 }
-DEFAULT_CONFIGS = ["fp32", "bf16", "bf16-tis", "int8", "int8-tis", "fp32-tis"]
+DEFAULT_CONFIGS = ["fp32", "bf16", "bf16-tis", "int8", "int8-tis", "int8dyn", "int8dyn-tis",
+                   "fp32-tis"]
 
 
 def overrides(args: argparse.Namespace, config: str, seed: int, out: Path) -> list[str]:
