@@ -70,7 +70,7 @@ def overrides(args: argparse.Namespace, config: str, seed: int, out: Path) -> li
             f"out={out}", *extra]
     if args.model == "tiny-random":  # plumbing: small and quick
         over += ["train.prompts_per_step=2", "train.group_size=4", "sampling.max_new_tokens=6",
-                 "arith.eval_size=4", "arith.eval_max_new_tokens=6", "train.eval_every=1"]
+                 "arith.eval_size=4", "arith.eval_max_new_tokens=6", "train.eval_every=2"]
     return over + list(args.override)
 
 
@@ -80,12 +80,19 @@ def run_one(args: argparse.Namespace, config: str, seed: int) -> dict[str, Any]:
         return json.loads(result_path.read_text())
     out = Path(args.out) / "runs" / f"{config}-s{seed}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "rlmix", "run", str(DEMO), "--overwrite",
-           *overrides(args, config, seed, out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{config} seed {seed} failed ({proc.returncode}):\n"
-                           f"{proc.stderr[-3000:]}")
+    cmd = [sys.executable, "-m", "rlmix", "run", str(DEMO), *overrides(args, config, seed, out),
+           "--overwrite"]
+    if args.in_process:  # plumbing tests: no interpreter start-up per run
+        from rlmix import cli
+
+        code = cli.main(cmd[3:])
+        if code != 0:
+            raise RuntimeError(f"{config} seed {seed} failed ({code})")
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{config} seed {seed} failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     result = summarise(rows)
     result.update({"config": config, "seed": seed, "command": " ".join(cmd[1:])})
@@ -175,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--override", action="append", default=[], help="extra manifest key=value")
     ap.add_argument("--out", default="/tmp/rlmix-lowbit-learn")
     ap.add_argument("--report", action="store_true", help="print the stored results only")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each config in this process, one after another (plumbing tests)")
     args = ap.parse_args(argv)
     jobs = [(c, s) for s in args.seeds for c in args.configs]
     if args.report:
         results = [json.loads(p.read_text())
                    for p in sorted((Path(args.out) / "results").glob("*.json"))]
     else:
-        with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        with ThreadPoolExecutor(1 if args.in_process else max(1, args.parallel)) as pool:
             results = list(pool.map(lambda job: run_one(args, *job), jobs))
     print(f"model {args.model}, {args.steps} steps, demo settings (examples/grpo-arith.yaml), "
           f"seeds {' '.join(map(str, args.seeds))}")
