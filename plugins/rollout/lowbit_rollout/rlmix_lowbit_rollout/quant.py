@@ -76,11 +76,13 @@ class Int8Linear(nn.Module):
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Quantise ``weight`` (``[out, in]``, any float dtype) into this layer, in place."""
         q, scales = quantize_rows(weight, self.scales.dtype)
-        self.qweight.copy_(q)
         self.scales.copy_(scales)
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
-        if self.kernel == "dynamic":
+        if self.kernel != "dynamic":
+            self.qweight.copy_(q)
+        else:  # fbgemm keeps its own packed copy: the int8 buffer is not kept twice
+            self.qweight = torch.empty(0, dtype=torch.int8, device=q.device)
             with warnings.catch_warnings():  # torch marks quantized tensors as deprecated
                 warnings.simplefilter("ignore")
                 qw = torch._make_per_channel_quantized_tensor(
@@ -91,6 +93,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``q * s``, in fp32."""
+        if self.kernel == "dynamic":
+            return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
         return self.qweight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,11 +244,11 @@ class LowbitWeights(SamplerWeights):
         head_ids = {id(t) for t in head.parameters()} if head is not None else set()
         skip = {id(t) for t in emb.parameters()} - head_ids if emb is not None else set()
         total = 0
-        for t in list(self.model.parameters()) + [b for b in self.model.buffers()
-                                                   if b.dtype == torch.int8]:
+        for t in self.model.parameters():
             if id(t) not in skip:
                 total += t.numel() * t.element_size()
         for m in self.model.modules():
-            if isinstance(m, Int8Linear):
+            if isinstance(m, Int8Linear):  # int8 weights (packed or not) and their scales
+                total += m.in_features * m.out_features
                 total += m.scales.numel() * m.scales.element_size()
         return total
