@@ -12,7 +12,14 @@ tokens/s columns are the fairer comparison).
 
     python bench/vs_trl.py                         # every workload, 4 timed steps each
     python bench/vs_trl.py --workloads 1x8x32 --steps 30   # the reward-over-30-steps check
-    python bench/vs_trl.py --autocast bfloat16     # both in bf16 autocast (opt-in numerics)
+    python bench/vs_trl.py --precision bf16        # both as TRL's bf16=True does it on a CPU
+    python bench/vs_trl.py --sampler int8          # rlmix samples with an int8 weight copy
+
+``--precision bf16`` is the same work in both: TRL's ``bf16=True`` on a CPU is torch autocast
+(accelerate wraps the model's forward, so generation too) over fp32 master weights, with the LM
+head's matmul in bf16 as well (``cast_lm_head_to_fp32=False``); rlmix gets ``policy.autocast:
+bfloat16`` and ``policy.lm_head_autocast: true``. ``--sampler bf16|int8`` makes rlmix sample with
+a bf16 or int8 copy of its weights (``lowbit_rollout``); TRL keeps sampling with its own model.
 
 A workload ``PxGxL`` is P prompts x G completions x L max new tokens. Prints, per workload, the
 median step time, completion tokens per second and peak RSS of each and rlmix/TRL ratios, and the
@@ -100,14 +107,22 @@ def rlmix_worker(args: argparse.Namespace) -> None:
             return {"correct": torch.tensor([correct(t, p.answer)
                                              for t, p in zip(batch.texts, batch.prompts)])}
 
-    plugins = ["hf", "benchtask", "grpo", *args.rlmix_plugins]
+    sampler = ([] if args.sampler == "fp32" else
+               [f"lowbit_rollout.precision={args.sampler}",
+                f"lowbit_rollout.int8_kernel={args.int8_kernel}",
+                f"lowbit_rollout.lm_head={args.sampler_head}"])
+    plugins = ["hf", "benchtask", "grpo", *args.rlmix_plugins,
+               *(["lowbit_rollout"] if sampler else [])]
+    bf16 = args.precision == "bf16"
     cfg = manifest.read(None, [
         "model=smollm2-135m", f"plugins=[{','.join(plugins)}]", "log.progress=false",
         "log.plot=false", f"out={args.out}/rlmix", f"train.prompts_per_step={args.prompts}",
         f"train.group_size={args.group}", f"train.lr={args.lr}", f"train.seed={args.seed}",
         "train.eval_every=0", "train.checkpoint_every=0",
         f"sampling.temperature={args.temperature}",
-        f"sampling.max_new_tokens={args.max_new_tokens}", f"policy.autocast={args.autocast}",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"policy.autocast={'bfloat16' if bf16 else 'none'}",
+        f"policy.lm_head_autocast={str(bf16 and not args.rlmix_fp32_head).lower()}", *sampler,
         f"train.max_grad_norm={args.max_grad_norm}",
         "grpo.beta=0.0", f"hf.stop_at_eos={str(bool(args.stop_at_eos)).lower()}",
         *args.rlmix_override])
@@ -197,7 +212,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     n = args.prompts * args.group
     config = GRPOConfig(
-        output_dir=f"{args.out}/trl", use_cpu=True, bf16=args.autocast == "bfloat16",
+        output_dir=f"{args.out}/trl", use_cpu=True, bf16=args.precision == "bf16",
         report_to="none", save_strategy="no", logging_steps=10**9, seed=args.seed,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=args.max_grad_norm,
@@ -286,9 +301,12 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     argv = [f"--prompts={p}", f"--group={g}", f"--max-new-tokens={length}",
             f"--total-steps={args.warmup + args.steps}", f"--lr={args.lr}",
             f"--seed={args.seed}", f"--temperature={args.temperature}",
-            f"--max-grad-norm={args.max_grad_norm}", f"--autocast={args.autocast}",
+            f"--max-grad-norm={args.max_grad_norm}", f"--precision={args.precision}",
+            f"--sampler={args.sampler}", f"--int8-kernel={args.int8_kernel}",
+            f"--sampler-head={args.sampler_head}",
             f"--out={args.out}/{workload}"]
     argv += ["--stop-at-eos"] if args.stop_at_eos else []
+    argv += ["--rlmix-fp32-head"] if args.rlmix_fp32_head else []
     argv += [f"--rlmix-plugins={x}" for x in args.rlmix_plugins]
     argv += [f"--rlmix-override={x}" for x in args.rlmix_override]
     if args.profile:
@@ -338,7 +356,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="gradient clipping in both frameworks; 0 = none")
-    ap.add_argument("--autocast", default="none", choices=["none", "bfloat16"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="training precision of both: fp32, or bf16 as TRL's bf16=True does it "
+                         "(autocast over fp32 master weights, LM head included)")
+    ap.add_argument("--autocast", default=None, choices=["none", "bfloat16"],
+                    help="older spelling: bfloat16 = --precision bf16")
+    ap.add_argument("--rlmix-fp32-head", action="store_true",
+                    help="with --precision bf16: keep rlmix's LM head in fp32 (rlmix's default)")
+    ap.add_argument("--sampler", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="rlmix's sampler weights (lowbit_rollout); TRL samples with its model")
+    ap.add_argument("--int8-kernel", default="weight_only", choices=["weight_only", "dynamic"])
+    ap.add_argument("--sampler-head", default="auto", choices=["auto", "fp32", "bf16", "int8"])
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both workers")
     ap.add_argument("--profile", action="store_true", help="rlmix phase breakdown")
     ap.add_argument("--rlmix-plugins", action="append", default=[],
@@ -356,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32, help=argparse.SUPPRESS)
     ap.add_argument("--total-steps", type=int, default=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.autocast is not None:
+        args.precision = "bf16" if args.autocast == "bfloat16" else "fp32"
     if args.worker:
         # worker chatter goes to stderr; stdout carries only the JSON replies
         sys.stdout = sys.stderr
@@ -367,13 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append(run_workload(args, workload))
     print(format_table(summaries, args))
     if args.profile:
-        print("\n".join(machine_floors(summaries, args.threads)))
+        print("\n".join(machine_floors(summaries, args.threads, args)))
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1))
     return 0
 
 
-def machine_floors(summaries: list[dict[str, Any]], threads: int) -> list[str]:
+def machine_floors(summaries: list[dict[str, Any]], threads: int,
+                   args: argparse.Namespace | None = None) -> list[str]:
     """The floor of each phase on this machine: weight bytes read per decode step over measured
     memory bandwidth, and training FLOPs over measured matmul throughput."""
     import torch
@@ -385,6 +416,14 @@ def machine_floors(summaries: list[dict[str, Any]], threads: int) -> list[str]:
     model, _ = load_model("smollm2-135m", "float32")
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * 4
+    sampler = getattr(args, "sampler", "fp32")
+    if sampler != "fp32":  # the decode floor is the sampler copy's bytes
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "rollout"
+                               / "lowbit_rollout"))
+        from rlmix_lowbit_rollout import LowbitWeights
+
+        weight_bytes = LowbitWeights(model, sampler, args.sampler_head,
+                                     args.int8_kernel).weight_bytes()
     del model
     big = torch.empty(256 * 2**20 // 4)  # 256 MiB: far past the caches
     dst = torch.empty_like(big)
@@ -401,7 +440,8 @@ def machine_floors(summaries: list[dict[str, Any]], threads: int) -> list[str]:
     flops = 5 * 2 * 2048**3 / (time.perf_counter() - t)
     lines = [f"machine: memory bandwidth {bandwidth / 1e9:.1f} GB/s (copy), fp32 matmul "
              f"{flops / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads; SmolLM2 "
-             f"{params / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB of fp32 weights",
+             f"{params / 1e6:.0f}M parameters, {weight_bytes / 2**20:.0f} MiB of {sampler} "
+             f"sampler weights read per decode step",
              "| workload | decode floor s (L steps x weights / bandwidth) | training floor s "
              "(8 x params x tokens / matmul rate) | rlmix generation s | rlmix log-prob fwd + "
              "backward s |", "| --- | --- | --- | --- | --- |"]
@@ -419,7 +459,10 @@ def machine_floors(summaries: list[dict[str, Any]], threads: int) -> list[str]:
 
 
 def format_table(summaries: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"autocast {args.autocast}, {args.steps} timed steps after {args.warmup} warm-up, "
+    detail = (f" ({args.int8_kernel}, head {args.sampler_head})" if args.sampler == "int8"
+              else "")
+    lines = [f"precision {args.precision}, rlmix sampler {args.sampler}{detail}, "
+             f"{args.steps} timed steps after {args.warmup} warm-up, "
              f"lr {args.lr}, temperature {args.temperature}, max grad norm {args.max_grad_norm}",
              "| workload (P x G x L) | rlmix step s | TRL step s | time ratio | rlmix tok/s | "
              "TRL tok/s | rlmix RSS MiB | TRL RSS MiB | RSS ratio | rlmix reward | TRL reward |",

@@ -3,8 +3,10 @@
 A background thread samples the batches of future steps while the trainer trains on the current
 one. Design:
 
-* **Its own weights.** The worker generates with a private copy of the policy (a deep copy of the
-  model, and of the tokenizer, whose fast backend is not safe to share between threads). Before
+* **Its own weights.** The worker generates with a private copy of the policy (the run's
+  sampler copy from ``rlmix_sampler_weights`` when a plugin gives one, e.g. a bf16 or int8
+  copy, else a deep copy of the model; and a copy of the tokenizer, whose fast backend is not
+  safe to share between threads). Before
   each generation call it refreshes the copy from the trainer's weights under ``weights_lock``;
   the trainer holds the same lock around every ``rlmix_update``, so a generation step never sees
   half-updated weights, and the copy's ``policy_version`` is exactly the version of its weights.
@@ -47,7 +49,8 @@ from typing import Any
 
 import torch
 
-from rlmix.policy import frozen_copy
+from rlmix import sampler_weights
+from rlmix.sampler_weights import SamplerWeights
 from rlmix.types import Prompt, RolloutBatch, Run
 
 THREAD_NAME = "rlmix-async-sampler"
@@ -107,9 +110,13 @@ class AsyncSampler:
         self._error_step = -1
         self._thread: threading.Thread | None = None
         policy = copy.copy(run.policy)
-        # the copy taken before rlmix_prepare_model (from the full model), when the loop took one
+        # the worker's weights: the run's sampler copy (rlmix_sampler_weights: a low-precision
+        # one) when a plugin gave one, else the fp32 copy taken before rlmix_prepare_model (from
+        # the full model) when the loop took one, else a copy taken now
         early = run.resources.pop(EARLY_COPY, None)
-        policy.model = early if early is not None else frozen_copy(run.policy.model)
+        weights = run.sampler_weights or early or SamplerWeights(run.policy.model)
+        self.weights = weights
+        policy.model = weights.model
         policy.tokenizer = copy.deepcopy(run.policy.tokenizer)
         self.policy = policy
         self.version = run.policy_version
@@ -204,10 +211,7 @@ class AsyncSampler:
             if run.policy_version == self.version and self.stats["weight_syncs"]:
                 return
             assert run.policy is not None
-            with torch.no_grad():
-                src = run.policy.model.state_dict()
-                for name, tensor in self.policy.model.state_dict().items():
-                    tensor.copy_(src[name])
+            sampler_weights.refresh(run, self.weights)  # logs time/sampler_refresh_s
             self.version = run.policy_version
             self.stats["weight_syncs"] += 1
         finally:
@@ -224,6 +228,7 @@ class AsyncSampler:
         view.policy_version = self.version
         view.step = step
         view.async_sampler = None
+        view.sampler_weights = None  # the view's policy already is the copy
         return view
 
     def _wait_turn(self, step: int) -> bool:
@@ -271,7 +276,7 @@ def take_model_copy(run: Run) -> None:
     it in ``rlmix_prepare_model`` (a ZeRO-3 model's parameters are empty shards); the sampler
     built by ``start`` uses this copy."""
     assert run.policy is not None
-    run.resources[EARLY_COPY] = frozen_copy(run.policy.model)
+    run.resources[EARLY_COPY] = SamplerWeights(run.policy.model)
 
 
 def start(run: Run, max_staleness: int | None = None) -> AsyncSampler:

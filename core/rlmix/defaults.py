@@ -227,7 +227,8 @@ def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor, 
 def rlmix_token_logprobs(run: Run, hidden: torch.Tensor, lm_head: torch.nn.Module,
                          labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return plain_token_logprobs(hidden, lm_head, labels,
-                                float(run.config.sampling.temperature))
+                                float(run.config.sampling.temperature),
+                                getattr(run.policy, "lm_head_dtype", None))
 
 
 @hookimpl(trylast=True)

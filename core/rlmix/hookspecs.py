@@ -66,6 +66,7 @@ FIRSTRESULT_HOOKS = (
     "rlmix_token_logprobs",
     "rlmix_episode",
     "rlmix_completion_logits",
+    "rlmix_sampler_weights",
 )
 
 
@@ -305,4 +306,22 @@ def rlmix_completion_logits(
     ``rlmix.distill.completion_logits`` / ``teacher_logits``; ``rlmix_clip`` itself only gets
     ``logp`` and ``entropy``. The core's default (``trylast``) runs the policy's model; a toy
     or a remote teacher implements it to serve the logits another way.
+    """
+
+
+@hookspec(firstresult=True)
+def rlmix_sampler_weights(run: Run, master: Any) -> Any | None:
+    """Return the copy of the policy that training rollouts generate with, or ``None``.
+
+    ``master`` is the policy's full model (the trainer's weights). Return an object with
+    ``model`` (the module the rollout engine runs: a bf16 copy, one with int8 linears, ...)
+    and ``refresh(master)`` (copy the master's current weights into it, in place); subclass
+    ``rlmix.sampler_weights.SamplerWeights``. The core calls this once, in
+    ``loop.prepare_model`` (after every ``rlmix_configure`` and a resume's restore, before
+    ``rlmix_prepare_model``), refreshes the copy before a training rollout whenever
+    ``run.policy_version`` moved (logging ``time/sampler_refresh_s``), and runs
+    ``rlmix_sample`` on a view of the run whose ``policy.model`` is the copy, so behaviour
+    log-probs come from it; with ``train.max_staleness > 0`` it is the async worker's own copy.
+    Evaluation and the training forward keep the master. ``None`` (no plugin): the synchronous
+    loop samples with the master itself, the async worker with an fp32 copy.
     """

@@ -16,7 +16,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlmix import async_sampling, checkpoint, manifest, needs, observe, ops, preflight, runfolder
+from rlmix import (
+    async_sampling,
+    checkpoint,
+    manifest,
+    needs,
+    observe,
+    ops,
+    preflight,
+    runfolder,
+    sampler_weights,
+)
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError, PluginError, origin
 from rlmix.hookspecs import REQUIRED_HOOKS
@@ -64,7 +74,8 @@ def load_policy(run: Run) -> None:
         model.gradient_checkpointing_enable()
     run.policy = Policy(model, tok, device=device, autocast=str(pol.autocast),
                         share_prefix=bool(pol.share_prefix),
-                        gradient_checkpointing=bool(pol.gradient_checkpointing))
+                        gradient_checkpointing=bool(pol.gradient_checkpointing),
+                        lm_head_autocast=bool(pol.lm_head_autocast))
 
 
 def manifest_order(impls: list[Any]) -> list[Any]:
@@ -160,11 +171,14 @@ def _claim_folder(run: Run, resume: bool, overwrite: bool, allow_changes: bool) 
 
 
 def prepare_model(run: Run) -> None:
-    """The phase after every ``rlmix_configure`` (and a resume's restore): the async sampler's
-    weight copy is taken from the full model, then ``rlmix_prepare_model`` lets a trainer
-    plugin wrap or partition it (manifest order)."""
-    if int(run.config.train.max_staleness) > 0 and run.policy is not None:
-        async_sampling.take_model_copy(run)
+    """The phase after every ``rlmix_configure`` (and a resume's restore): the sampler's weight
+    copy (``rlmix_sampler_weights``, else the async sampler's fp32 copy when
+    ``train.max_staleness > 0``) is taken from the full model, then ``rlmix_prepare_model``
+    lets a trainer plugin wrap or partition it (manifest order)."""
+    if run.policy is not None:
+        run.sampler_weights = sampler_weights.build(run)  # rlmix_sampler_weights, or None
+        if run.sampler_weights is None and int(run.config.train.max_staleness) > 0:
+            async_sampling.take_model_copy(run)
     _phase(run, "rlmix_prepare_model")
 
 

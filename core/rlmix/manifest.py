@@ -135,6 +135,9 @@ class SamplingConfig:
 class PolicyConfig:
     dtype: str = "float32"  # weights: float32 | bfloat16
     autocast: str = "none"  # compute: none | bfloat16 (mixed precision, weights stay in dtype)
+    # with autocast: the LM head's matmul in the autocast dtype too (log-softmax stays fp32), as
+    # TRL's bf16=True does; false: the LM head in fp32
+    lm_head_autocast: bool = False
     threads: int = setting(0, ge=0)  # torch threads; 0 = torch's default
     device: str = "auto"  # auto | cpu | cuda
     gradient_checkpointing: bool = False

@@ -167,7 +167,7 @@ class Policy:
 
     def __init__(self, model: Any, tokenizer: Any, device: str = "cpu",
                  autocast: str = "none", share_prefix: bool = True,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, lm_head_autocast: bool = False) -> None:
         self.model = model.to(device)
         # a KV cache cannot be shared under activation checkpointing (transformers drops it)
         self.share_prefix = share_prefix
@@ -175,6 +175,9 @@ class Policy:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.autocast_dtype = _DTYPES.get(autocast) if autocast != "none" else None
+        # the LM head's matmul dtype in the training forward: the autocast dtype when asked
+        # (TRL's bf16=True), else fp32
+        self.lm_head_dtype = self.autocast_dtype if lm_head_autocast else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -260,13 +263,17 @@ def cache_argument(model: Any) -> str:
 
 
 def plain_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: full fp32 ``[n, t, V]`` logits, log-softmax, gather, entropy."""
+                         temperature: float = 1.0, matmul_dtype: torch.dtype | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full fp32 ``[n, t, V]`` logits, log-softmax, gather, entropy.
+    ``matmul_dtype`` (bf16): the projection runs in that dtype (what autocast does to the LM
+    head, TRL's ``bf16=True``), its logits up-cast to fp32 before the log-softmax."""
     weight = lm_head.weight
     bias = getattr(lm_head, "bias", None)
+    dtype = torch.float32 if matmul_dtype is None else matmul_dtype
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = torch.nn.functional.linear(hidden.float(), weight.float(),
-                                            None if bias is None else bias.float())
+        logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype),
+                                            None if bias is None else bias.to(dtype)).float()
         if temperature != 1.0:
             logits = logits / temperature
         logz = torch.logsumexp(logits, -1)

@@ -240,6 +240,9 @@ class Run:
     plugin_names: list[str] = field(default_factory=list)
     # the background sampler of async mode (rlmix.async_sampling), set by the loop; core-internal
     async_sampler: Any = None
+    # the copy training rollouts generate with (rlmix.sampler_weights), when a plugin gives one;
+    # built by the loop in prepare_model; core-internal
+    sampler_weights: Any = None
     # metrics plugins report through ``log``, written with the step's metrics line
     pending_metrics: dict[str, float] = field(default_factory=dict)
     # data parallelism, set by a trainer plugin (deepspeed): this process is rank shard[0] of
@@ -302,11 +305,17 @@ class Run:
         ``rlmix_select_prompts`` chose them. With an async sampler
         attached (``train.max_staleness > 0``), the batch of step ``self.step`` that the
         background worker sampled from the prompts it got from ``rlmix_prompts`` itself
-        (``prompts`` is then ignored)."""
+        (``prompts`` is then ignored). With a sampler copy (``rlmix.sampler_weights``), the
+        owner runs on a view of the run whose ``policy.model`` is that copy."""
         if self.async_sampler is not None:
             return self.async_sampler.take(self)[1]
         prompts = self.select_prompts(prompts)
-        batch = self.hook.rlmix_sample(run=self, prompts=prompts)
+        run = self
+        if self.sampler_weights is not None:  # a low-precision (or other) sampler copy
+            from rlmix.sampler_weights import sampling_view
+
+            run = sampling_view(self)
+        batch = run.hook.rlmix_sample(run=run, prompts=prompts)
         if batch is None:
             raise RuntimeError("no plugin returned a batch from rlmix_sample")
         return batch

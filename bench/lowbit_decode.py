@@ -1,0 +1,179 @@
+"""Decode speed of the sampler copies of lowbit_rollout against their weight-bandwidth floors.
+
+    OMP_NUM_THREADS=1 nice -n 10 python bench/lowbit_decode.py [--model smollm2-135m]
+        [--rows 1 8] [--tokens 128] [--variants fp32 bf16 int8 int8-bf16head int8-dynamic]
+    python bench/lowbit_decode.py --model tiny-random --tokens 8     # plumbing only
+
+For each sampler copy (``fp32``: the master itself; ``bf16``; ``int8``: weight-only int8 linears
+and an int8 LM head; ``int8-bf16head``: the same with a bf16 LM head; ``int8-dynamic``: fbgemm's
+dynamic int8 linears), the engine's own decode loop (``rlmix.sampling.sample_tokens``, KV cache,
+temperature 1, no early stop) samples ``tokens`` new tokens for ``rows`` rows sharing one prompt
+(a GRPO group). Decode time = time(``tokens``) - time(1 token), which removes the prefill; tokens/s
+= rows x (tokens - 1) / decode time. The floor of a decode step is the weight bytes it must read
+(every weight but the input embedding table; ``LowbitWeights.weight_bytes``) over the memory
+bandwidth measured in the same run (a 256 MiB tensor copy, read + write). Prints tokens/s, the
+ratio to fp32, ms per step against the floor, and the copy's refresh time (re-casting or
+re-quantising every weight from the fp32 master, as after an optimizer step). Wall and CPU
+(process) time are both reported (on a shared machine CPU time is the steadier measure: it
+leaves out the time the process waited for a core); the variants take turns within each rows
+setting, and the machine's load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "plugins" / "rollout" / "lowbit_rollout"))  # uninstalled checkouts
+
+VARIANTS = {  # name: (precision, lm_head, int8_kernel)
+    "fp32": ("fp32", "auto", "weight_only"),
+    "bf16": ("bf16", "auto", "weight_only"),
+    "int8": ("int8", "auto", "weight_only"),
+    "int8-bf16head": ("int8", "bf16", "weight_only"),
+    "int8-dynamic": ("int8", "auto", "dynamic"),
+}
+
+
+def bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes per second of a large tensor copy (read + write), far past the caches."""
+    src = torch.empty(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def fp32_weight_bytes(model: Any) -> int:
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    skip = {id(p) for p in emb.parameters()} - {id(p) for p in head.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def decode_time(model: Any, ids: torch.Tensor, attn: torch.Tensor, rows: int, tokens: int,
+                pad: int, seed: int) -> tuple[float, float]:
+    """Wall and CPU seconds of ``sample_tokens`` for ``tokens`` new tokens."""
+    from rlmix.sampling import sample_tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    w, c = time.perf_counter(), time.process_time()
+    sample_tokens(model, ids, attn, rows, tokens, 1.0, 1.0, 0, [-1], pad, generator=gen)
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--reps", type=int, default=1, help="timed runs per cell (median)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from rlmix_lowbit_rollout import LowbitWeights
+
+    from rlmix.policy import load_model
+
+    load_before = os.getloadavg()
+    t_start, c_start = time.perf_counter(), time.process_time()
+    master, tok = load_model(args.model, "float32")
+    master.eval()
+    for p in master.parameters():
+        p.requires_grad_(False)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 47+38? Reply with "
+                                     "only the final number."}], tokenize=False,
+                                   add_generation_prompt=True)
+    enc = tok([text], return_tensors="pt", add_special_tokens=False)
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    bw = bandwidth()
+    copies: dict[str, tuple[Any, int, float]] = {}  # name: (model, weight bytes, refresh s)
+    for name in args.variants:
+        precision, head, kernel = VARIANTS[name]
+        if precision == "fp32":
+            copies[name] = (master, fp32_weight_bytes(master), 0.0)
+            continue
+        weights = LowbitWeights(master, precision, head, kernel)
+        t = time.perf_counter()
+        weights.refresh(master)
+        copies[name] = (weights.model, weights.weight_bytes(), time.perf_counter() - t)
+    results: list[dict[str, Any]] = []
+    steps = args.tokens - 1
+    with torch.no_grad():
+        for model, _, _ in copies.values():  # warm-up
+            decode_time(model, ids, attn, 1, min(4, args.tokens), tok.pad_token_id, 0)
+        for rows in args.rows:
+            walls: dict[str, list[float]] = {n: [] for n in copies}
+            cpus: dict[str, list[float]] = {n: [] for n in copies}
+            names = list(copies)
+            for rep in range(args.reps):
+                # round robin, a different variant first each time: load changes fall on all
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    model = copies[name][0]
+                    w1, c1 = decode_time(model, ids, attn, rows, 1, tok.pad_token_id, rep)
+                    wn, cn = decode_time(model, ids, attn, rows, args.tokens, tok.pad_token_id,
+                                         rep)
+                    walls[name].append(wn - w1)
+                    cpus[name].append(cn - c1)
+                    print(f"  {name} rows {rows}: {1e3 * (wn - w1) / steps:.1f} ms/step wall, "
+                          f"{1e3 * (cn - c1) / steps:.1f} CPU", file=sys.stderr, flush=True)
+            for name, (_, weight_bytes, refresh_s) in copies.items():
+                wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
+                floor_step = weight_bytes / bw
+                results.append({
+                    "variant": name, "rows": rows, "tokens": args.tokens,
+                    "weight_mb": weight_bytes / 1e6, "decode_s": wall, "decode_cpu_s": cpu,
+                    "tokens_per_s": rows * steps / wall, "tokens_per_cpu_s": rows * steps / cpu,
+                    "ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * cpu / steps,
+                    "floor_ms_per_step": 1e3 * floor_step,
+                    "over_floor": (wall / steps) / floor_step,
+                    "cpu_over_floor": (cpu / steps) / floor_step, "refresh_s": refresh_s})
+    load_after = os.getloadavg()
+    print(format_table(results, args, bw, load_before, load_after,
+                       time.perf_counter() - t_start, time.process_time() - c_start))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def format_table(results: list[dict[str, Any]], args: argparse.Namespace, bw: float,
+                 load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float,
+                 cpu: float) -> str:
+    base = {r["rows"]: r for r in results if r["variant"] == "fp32"}
+    lines = [f"model {args.model}, {args.tokens} new tokens, {torch.get_num_threads()} "
+             f"thread(s); copy bandwidth {bw / 1e9:.1f} GB/s; load average "
+             f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; bench wall "
+             f"{wall:.0f} s, CPU {cpu:.0f} s",
+             "| sampler | rows | weight MB / step | floor ms / step | wall ms / step | tok/s | "
+             "x fp32 | x floor | CPU ms / step | tok / CPU s | x fp32 (CPU) | x floor (CPU) | "
+             "refresh s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        b = base.get(r["rows"])
+        ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
+        cpu_ratio = r["tokens_per_cpu_s"] / b["tokens_per_cpu_s"] if b else float("nan")
+        lines.append(f"| {r['variant']} | {r['rows']} | {r['weight_mb']:.0f} | "
+                     f"{r['floor_ms_per_step']:.1f} | {r['ms_per_step']:.1f} | "
+                     f"{r['tokens_per_s']:.1f} | {ratio:.2f} | {r['over_floor']:.2f} | "
+                     f"{r['cpu_ms_per_step']:.1f} | {r['tokens_per_cpu_s']:.1f} | "
+                     f"{cpu_ratio:.2f} | {r['cpu_over_floor']:.2f} | {r['refresh_s']:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""lowbit_rollout: the sampler copy's kind and dtype, its refresh after an optimizer step, int8
+linears against fp32 ones, the mismatch metrics by hand and through a run (zero when sampler
+and trainer share the precision), the async worker sampling with this copy, bad settings, and
+the example manifest."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import rlmix_hf
+import rlmix_lowbit_rollout as lowbit
+import torch
+from rlmix_lowbit_rollout import Int8Linear, LowbitWeights, mismatch_metrics
+from rlmix_lowbit_rollout.quant import CastLinear, quantize_rows
+
+from rlmix import async_sampling, loop
+from rlmix.errors import ManifestError
+from rlmix.policy import tiny_random
+from rlmix.sampler_weights import REFRESH_METRIC
+from rlmix.testing import make_run
+from rlmix.testing.standins import FakeEnv, SimpleAlgorithm
+from rlmix.types import Run
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[4]
+NAME = lowbit.NAME
+
+
+def _scaled(model: Any, std: float = 0.3) -> Any:
+    """The tiny model's weights re-drawn at a larger scale, so its outputs are not uniform."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def _run(tmp_path: Path, precision: str, *extra: str) -> Run:
+    run = make_run({"kit_env": FakeEnv(), "hf": rlmix_hf, "kit_algo": SimpleAlgorithm(),
+                    NAME: lowbit},
+                   ["train.prompts_per_step=2", "train.group_size=3", "sampling.max_new_tokens=8",
+                    f"{NAME}.precision={precision}", f"out={tmp_path}", "train.eval_every=0",
+                    "train.checkpoint_every=0", "log.plot=false", "train.lr=0.01", *extra],
+                   with_policy=True)
+    _scaled(run.policy.model)
+    loop.configure(run)
+    loop.prepare_model(run)
+    return run
+
+
+# ---------------------------------------------------------------- the copy
+
+
+def test_the_copy_has_the_chosen_kind_and_dtype() -> None:
+    master, _ = tiny_random()
+    bf16 = LowbitWeights(master, "bf16")
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    assert all(p.dtype == torch.float32 for p in master.parameters())  # the master untouched
+    assert not any(p.requires_grad for p in bf16.model.parameters())
+    assert bf16.model.lm_head.weight is bf16.model.model.embed_tokens.weight  # still tied
+
+    int8 = LowbitWeights(master, "int8")
+    layer = int8.model.model.layers[0]
+    for lin in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(lin, Int8Linear) and lin.qweight.dtype == torch.int8
+        assert lin.kernel == "weight_only" and lin.act_dtype == torch.bfloat16
+    assert isinstance(int8.model.lm_head, Int8Linear)  # auto: the copy's precision
+    assert int8.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert int8.model.model.norm.weight.dtype == torch.bfloat16
+
+    head_bf16 = LowbitWeights(master, "int8", lm_head="bf16")
+    assert type(head_bf16.model.lm_head) is torch.nn.Linear
+    assert head_bf16.model.lm_head.weight.dtype == torch.bfloat16
+    head_fp32 = LowbitWeights(master, "bf16", lm_head="fp32")
+    assert isinstance(head_fp32.model.lm_head, CastLinear)
+    assert head_fp32.model.lm_head.weight.dtype == torch.float32
+
+    dynamic = LowbitWeights(master, "int8", int8_kernel="dynamic")
+    assert dynamic.model.model.layers[0].mlp.up_proj.kernel == "dynamic"
+    assert dynamic.model.model.norm.weight.dtype == torch.float32  # fp32 activations
+
+    # weight bytes read per forward: an int8 copy reads about a quarter of the fp32 master's
+    fp32_bytes = sum(p.numel() * 4 for p in master.parameters())
+    assert bf16.weight_bytes() == pytest.approx(fp32_bytes / 2, rel=0.01)
+    assert int8.weight_bytes() < 0.3 * fp32_bytes
+
+
+def test_int8_linear_matches_the_fp32_linear_on_random_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    for kernel, inner in (("weight_only", 64), ("weight_only", 24), ("dynamic", 64),
+                          ("dynamic", 24)):
+        ref = torch.nn.Linear(inner, 48)
+        with torch.no_grad():
+            ref.weight.copy_(torch.randn(48, inner, generator=g))
+            ref.bias.copy_(torch.randn(48, generator=g))
+        q = Int8Linear(inner, 48, True, kernel)
+        q.load(ref.weight, ref.bias)
+        x = torch.randn(3, 5, inner, generator=g)  # 3-d input, as inside a transformer
+        y, want = q(x).float(), ref(x).detach()
+        assert y.shape == want.shape
+        rel = float((y - want).norm() / want.norm())
+        assert rel < 0.02, (kernel, inner, rel)
+        # the quantisation itself: |W - q s| <= s / 2 per row (s exact in its own dtype)
+        assert bool(((q.dequantized() - ref.weight).abs()
+                     <= q.scales.float()[:, None] / 2 + 1e-6).all())
+    qw, scales = quantize_rows(torch.tensor([[1.0, -0.5, 0.0], [0.0, 0.0, 0.0]]))
+    assert qw.tolist() == [[127, -64, 0], [0, 0, 0]] and scales[0] == pytest.approx(1 / 127)
+
+
+def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_path: Path) -> None:
+    for precision in ("bf16", "int8"):
+        run = _run(tmp_path / precision, precision)
+        weights = run.sampler_weights
+        assert isinstance(weights, LowbitWeights) and weights.version == 0
+        before = weights.model.model.layers[0].mlp.up_proj
+        before = (before.weight.clone() if precision == "bf16" else before.dequantized())
+        loop.train_step(run)
+        assert run.policy_version == 1 and weights.version == 0  # refreshed at the next rollout
+        run.sample(run.hook.rlmix_prompts(run=run, step=run.step))
+        assert weights.version == 1
+        logged = run.drain_metrics()
+        assert logged[REFRESH_METRIC] > 0
+        master = run.policy.model.model.layers[0].mlp.up_proj.weight.detach()
+        copied = weights.model.model.layers[0].mlp.up_proj
+        if precision == "bf16":
+            assert torch.equal(copied.weight, master.bfloat16())
+            assert not torch.equal(copied.weight, before)  # it moved with the master
+        else:
+            err = (copied.dequantized() - master).abs()
+            assert bool((err <= copied.scales.float()[:, None] / 2 + 1e-6).all())
+            assert not torch.equal(copied.dequantized(), before)
+        for a, b in zip(weights.model.model.norm.parameters(),
+                        run.policy.model.model.norm.parameters()):
+            assert torch.equal(a, b.detach().to(a.dtype))
+
+
+# ---------------------------------------------------------------- mismatch metrics
+
+
+def test_mismatch_metrics_by_hand() -> None:
+    train = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, 0.0, 0.0]])
+    behavior = torch.tensor([[0.0, -1.5, -1.0, 0.0], [0.0, -0.5, 0.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    m = mismatch_metrics(train, behavior, mask)  # d = +0.5, -1.0 | 0
+    assert m["tokens"] == 3
+    assert m["logp_diff_abs_mean"] == pytest.approx(1.5 / 3)
+    assert m["logp_diff_abs_max"] == pytest.approx(1.0)
+    assert m["logp_diff_mean"] == pytest.approx(-0.5 / 3)
+    k3 = (math.exp(0.5) - 1 - 0.5) + (math.exp(-1.0) - 1 + 1.0)  # row 0; row 1 is 0
+    assert m["kl_seq"] == pytest.approx(k3 / 2, rel=1e-6)
+    assert m["kl_seq_k1"] == pytest.approx((-(0.5 - 1.0) + 0.0) / 2)
+    same = mismatch_metrics(train, train, mask)
+    assert all(v == 0 for k, v in same.items() if k != "tokens")
+    empty = mismatch_metrics(train, behavior, torch.zeros_like(mask))
+    assert empty["tokens"] == 0 and empty["kl_seq"] == 0
+    # two minibatches combine to the whole batch's figures
+    halves = [mismatch_metrics(train[i:i + 1], behavior[i:i + 1], mask[i:i + 1])
+              for i in range(2)]
+    whole = lowbit._combine(halves[0], halves[1], 1, 1)
+    for k, v in m.items():
+        assert whole[k] == pytest.approx(v), k
+
+
+def test_mismatch_is_near_zero_with_the_fp32_sampler_and_not_with_int8(tmp_path: Path) -> None:
+    seen = {}
+    for precision in ("fp32", "bf16", "int8"):
+        run = _run(tmp_path / precision, precision)
+        assert (run.sampler_weights is None) == (precision == "fp32")
+        metrics = loop.train_step(run)
+        for key in ("logp_diff_abs_mean", "logp_diff_abs_max", "kl_seq", "kl_seq_k1"):
+            assert f"{NAME}/{key}" in metrics
+        assert metrics[f"{NAME}/tokens"] == pytest.approx(
+            metrics["response_length/mean"] * 6)
+        seen[precision] = metrics[f"{NAME}/logp_diff_abs_mean"]
+    assert seen["fp32"] < 1e-4  # same weights, same precision: only summation order differs
+    assert seen["int8"] > 1e-3 and seen["bf16"] > 1e-4
+    assert seen["int8"] > seen["bf16"]
+
+
+# ---------------------------------------------------------------- async, settings, example
+
+
+def test_the_async_worker_samples_with_this_copy(tmp_path: Path) -> None:
+    run = _run(tmp_path, "int8", "train.max_staleness=1")
+    sampler = async_sampling.start(run, 1)
+    try:
+        assert sampler.weights is run.sampler_weights
+        assert sampler.policy.model is run.sampler_weights.model
+        assert sampler.policy.model is not run.policy.model
+        assert isinstance(sampler.policy.model.lm_head, Int8Linear)
+        m1 = loop.train_step(run)
+        m2 = loop.train_step(run)
+    finally:
+        async_sampling.stop(run)
+    assert run.sampler_weights.version >= 1  # the worker refreshed it after the first update
+    assert m2[f"{NAME}/logp_diff_abs_mean"] > 1e-3 and m1["staleness/max"] <= 1
+
+
+@pytest.mark.parametrize("override, match", [
+    ("precision=fp16", r"lowbit_rollout\.precision"),
+    ("lm_head=int4", r"lowbit_rollout\.lm_head"),
+    ("int8_kernel=fbgemm", r"lowbit_rollout\.int8_kernel"),
+    ("int8_kernel=dynamic", r"applies to precision int8 only"),
+])
+def test_bad_settings_fail_clearly(override: str, match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        make_run({"kit_env": FakeEnv(), NAME: lowbit}, [f"{NAME}.{override}"])
+    with pytest.raises(ManifestError, match="needs a low-precision copy"):
+        make_run({"kit_env": FakeEnv(), NAME: lowbit},
+                 [f"{NAME}.precision=fp32", f"{NAME}.lm_head=int8"])
+
+
+def test_the_example_manifest_runs(tmp_path: Path) -> None:
+    from rlmix import cli
+    from rlmix.testing import skip_unless_installed
+
+    example = ROOT / "examples" / "lowbit-arith.yaml"
+    skip_unless_installed(example)
+    code = cli.main(["run", str(example), "model=tiny-random", "arith.eval_size=4",
+                     "arith.eval_max_new_tokens=6", "sampling.max_new_tokens=6",
+                     "train.steps=2", "train.prompts_per_step=2", "train.group_size=4",
+                     "train.eval_every=0", "train.checkpoint_every=0", "log.progress=false",
+                     "log.plot=false", f"out={tmp_path}"])
+    assert code == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert REFRESH_METRIC in rows[1]  # refreshed after step 1's optimizer step
+    for r in rows:
+        assert r[f"{NAME}/logp_diff_abs_mean"] > 0
+        assert "rollout_correction/ratio_mean" in r

@@ -1,0 +1,63 @@
+"""bench/lowbit_learn.py: its plumbing mode (tiny model, 2 steps, in process) runs a sampler
+config through ``rlmix run`` of the demo manifest and stores the evaluations and the mismatch;
+the report compares with fp32 and marks a collapsed run (an integration test of the script,
+not a learning claim)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rlmix.testing import skip_unless_installed
+
+from .conftest import ROOT
+
+BENCH = ROOT / "bench" / "lowbit_learn.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("lowbit_learn", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plumbing_mode_runs_a_sampler_config(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    skip_unless_installed(ROOT / "examples" / "lowbit-arith.yaml")  # the same plugins
+    bench = _bench()
+    argv = ["--model", "tiny-random", "--steps", "2", "--seeds", "0", "--configs", "int8-tis",
+            "--in-process", "--target", "0.0", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert "| int8-tis | 1 |" in capsys.readouterr().out
+    result = json.loads((tmp_path / "results" / "int8-tis-s0.json").read_text())
+    assert [e["step"] for e in result["evals"]] == [0, 2]
+    assert result["train_s"] > 0 and 0.0 <= result["accuracy"] <= 1.0
+    assert result["logp_diff_abs_mean"] > 0 and result["refresh_s_mean"] > 0
+    assert "lowbit_rollout.precision=int8" in result["command"]
+    assert "rollout_correction.mode=tis" in result["command"]
+    assert bench.main([*argv, "--report"]) == 0  # stored results are read back, not rerun
+
+
+def test_the_report_compares_with_fp32_and_marks_a_collapse() -> None:
+    bench = _bench()
+
+    def result(config: str, seed: int, accs: list[float]) -> dict:
+        evals = [{"step": 10 * i, "accuracy": a, "train_s": 100.0 * i}
+                 for i, a in enumerate(accs)]
+        return {"config": config, "seed": seed, "evals": evals, "accuracy": accs[-1],
+                "start_accuracy": accs[0], "train_s": 400.0 if config == "fp32" else 200.0,
+                "sample_s_mean": 1.0, "logp_diff_abs_mean": 0.01, "kl_seq_mean": 0.001}
+
+    table = bench.report([result("fp32", 0, [0.3, 0.5, 0.7]), result("fp32", 1, [0.3, 0.5, 0.5]),
+                          result("int8", 0, [0.3, 0.6, 0.65]), result("int8", 1, [0.3, 0.2, 0.1])],
+                         ["fp32", "int8"], target=0.5)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "0.600 +/- 0.100" in rows["fp32"] and "| +0.0 |" in rows["fp32"]
+    assert "0.10 COLLAPSED" in rows["int8"] and "| -22.5 |" in rows["int8"]
+    assert "| 0.50 |" in rows["int8"]  # half fp32's training time
+    assert "100, not reached" in rows["int8"] and "100, 100" in rows["fp32"]
