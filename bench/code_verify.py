@@ -6,7 +6,7 @@ machine's load falls on both alike.
     OMP_NUM_THREADS=1 python bench/code_verify.py --before 49828e7 --rounds 3 --workers 2
 
 "before" is rebuilt from ``git show <rev>:<path>`` of ``core/rlmix/sandbox.py`` and
-``plugins/envs/code/rlmix_code/__init__.py`` (its ``rlmix.sandbox`` import pointed at the old
+``plugins/envs/code/rlmix_code/__init__.py`` (its ``rlmix_sandbox`` import pointed at the old
 sandbox). Prints one JSON line per round and a summary line.
 """
 
@@ -49,12 +49,12 @@ def main() -> None:
 
     import rlmix_code as new_code
 
-    from rlmix import sandbox as new_sandbox
+    import rlmix_sandbox as new_sandbox
 
     _module_at(args.before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     old_code = _module_at(args.before, "plugins/envs/code/rlmix_code/__init__.py",
                           "rlmix_bench_old_code",
-                          ("from rlmix.sandbox import", "from rlmix_bench_old_sandbox import"))
+                          ("from rlmix_sandbox import", "from rlmix_bench_old_sandbox import"))
     problems = list(new_code.load_problems())
     completions = ["```python\n" + p.prompt + p.canonical_solution + "\n```" for p in problems]
     new_sandbox.capabilities()

@@ -30,7 +30,7 @@ def tools_table(before: str) -> None:
     from rlmix_tools import Settings
     from rlmix_tools.redteam import TOOL_HACKS
 
-    from rlmix import sandbox as new
+    import rlmix_sandbox as new
     old = _module_at(before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     s = Settings()
     folder = Path(tempfile.mkdtemp(prefix="rlmix-host-"))

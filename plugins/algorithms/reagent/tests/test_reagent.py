@@ -21,7 +21,7 @@ from rlmix_reagent import u as reagent_u
 import rlmix
 from rlmix import cli, loop, ops, sampling
 from rlmix.testing import ToyPolicy, make_run, skip_unless_installed, toy_train
-from rlmix.testing.judges import ScriptedJudge, every_kth_malformed
+from rlmix_lm.judges import ScriptedJudge, every_kth_malformed
 from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch
 
 EXAMPLES = Path(rg.__file__).parents[4] / "examples" / "rewards"

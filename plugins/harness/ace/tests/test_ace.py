@@ -28,7 +28,7 @@ from rlmix_ace import (
 import rlmix
 from rlmix import loop
 from rlmix.testing import make_run
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.types import Prompt, RolloutBatch
 
 # ---------------------------------------------------------------- playbook pieces

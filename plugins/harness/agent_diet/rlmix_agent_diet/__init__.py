@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import reflection_lm
-from rlmix.lm import LMSettings
+from rlmix_harness import reflection_lm
+from rlmix_lm import LMSettings
 from rlmix.types import Prompt, Run, StepResult
 
 NAME = "agent_diet"

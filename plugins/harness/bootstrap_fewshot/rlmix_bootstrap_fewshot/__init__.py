@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     guard_heldout,
     mean,

@@ -21,7 +21,7 @@ from rlmix_bootstrap_fewshot import (
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import mean, score_tasks
+from rlmix_harness import mean, score_tasks
 from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.harness import HintEnv, HintModel, harness_words
 

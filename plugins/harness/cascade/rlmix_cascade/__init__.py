@@ -36,7 +36,7 @@ import torch
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     inside_rendering,
     mean,

@@ -16,7 +16,7 @@ from rlmix_darwinx import edit_prompt, extends, parse_proposal, recombination, s
 from rlmix import loop
 from rlmix.errors import ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.testing.landscape import landscape_plugins, path_proposer, path_world
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -39,7 +39,7 @@ from typing import Any
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     cut,
     feedback_text,
@@ -54,7 +54,7 @@ from rlmix.harness import (
     task_pool,
     user_text,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "evolve_mem"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     evolved_components,
     mean,
@@ -39,7 +39,7 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -26,7 +26,7 @@ from rlmix_evotool import (
 from rlmix import loop
 from rlmix.errors import ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.testing.modules import module_plugins, module_rewriter
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -48,7 +48,7 @@ from rlmix_gepa import (
 )
 
 import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     GATES,
     Task,
     configure_evolver,
@@ -60,7 +60,7 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LM, PolicyLM, TransformersLM
+from rlmix_lm import LM, PolicyLM, TransformersLM
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"

@@ -20,7 +20,7 @@ from rlmix_harness_evolve import (
 
 from rlmix import loop
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.testing.demos import LeakModel, leaky_proposer
 from rlmix.testing.harness import HintEnv
 from rlmix.types import Prompt

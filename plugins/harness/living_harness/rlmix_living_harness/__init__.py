@@ -38,7 +38,7 @@ from typing import Any
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     inside_rendering,
     mean,
@@ -49,7 +49,7 @@ from rlmix.harness import (
     similarity,
     user_text,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
 from rlmix.trajectories import tool_call as action_of
 from rlmix.trajectories import walk
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run, StepResult

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 import rlmix
 from rlmix import checkpoint, cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.testing.memory_worlds import (
     ScriptedAgentEngine,
     Workflow,

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rlmix
-from rlmix.harness import reflection_lm, split_pool, task_prompts, user_text, words
-from rlmix.lm import LMSettings
+from rlmix_harness import reflection_lm, split_pool, task_prompts, user_text, words
+from rlmix_lm import LMSettings
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

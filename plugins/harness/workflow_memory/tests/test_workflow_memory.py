@@ -27,9 +27,9 @@ from rlmix_workflow_memory import (
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import generate_scored, mean
+from rlmix_harness import generate_scored, mean
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, HintModel, harness_words
 
 ROOT = Path(__file__).resolve().parents[4]
