@@ -32,7 +32,7 @@ def main() -> None:
     _module_at(args.before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     old = _module_at(args.before, "plugins/envs/code/rlmix_code/__init__.py",
                      "rlmix_bench_old_code",
-                     ("from rlmix_sandbox import", "from rlmix_bench_old_sandbox import"))
+                     ("from rlmix.sandbox import", "from rlmix_bench_old_sandbox import"))
     by_id = {p.task_id: p for p in new.load_problems()}
     problems = [by_id[h.task_id] for h in HACKS]
     texts = [h.completion() for h in HACKS]

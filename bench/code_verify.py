@@ -54,7 +54,7 @@ def main() -> None:
     _module_at(args.before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     old_code = _module_at(args.before, "plugins/envs/code/rlmix_code/__init__.py",
                           "rlmix_bench_old_code",
-                          ("from rlmix_sandbox import", "from rlmix_bench_old_sandbox import"))
+                          ("from rlmix.sandbox import", "from rlmix_bench_old_sandbox import"))
     problems = list(new_code.load_problems())
     completions = ["```python\n" + p.prompt + p.canonical_solution + "\n```" for p in problems]
     new_sandbox.capabilities()
