@@ -43,8 +43,14 @@ def test_prompts_under_a_candidate_then_the_runs_own_harness_again() -> None:
         [harness.user_text(p) for p in under]
 
 
-def test_score_tasks_scores_greedy_rollouts_and_leaves_the_model_in_train_mode() -> None:
-    run = _run(policy=True)
+@pytest.fixture(scope="module")
+def policy_run():
+    """One run with the tiny model, shared by the tests that generate (loading it is the cost)."""
+    return _run("sampling.max_new_tokens=3", policy=True)
+
+
+def test_score_tasks_scores_greedy_rollouts_and_leaves_the_model_in_train_mode(policy_run) -> None:
+    run = policy_run
     run.policy.model.train()
     tasks = harness.task_pool(run, 4, 3000)
     scores, batch = harness.score_tasks(run, {}, tasks, max_new_tokens=3)
@@ -75,8 +81,8 @@ def test_text_helpers() -> None:
     assert harness.user_text(prompt) == "last"
 
 
-def test_traces_carry_input_output_score_terms_and_feedback() -> None:
-    run = _run(policy=True)
+def test_traces_carry_input_output_score_terms_and_feedback(policy_run) -> None:
+    run = policy_run
     _, batch = harness.score_tasks(run, {}, harness.task_pool(run, 2, 4000), max_new_tokens=2)
     batch.info[0]["tests"] = "failed 2 of 3"
     rows = harness.traces(batch, [0.5, 1.0], chars=30)
@@ -132,7 +138,7 @@ def test_reflection_lm_is_made_once_from_the_lm_block_and_a_placed_one_wins() ->
         class Settings:
             lm: LMSettings = dataclasses.field(default_factory=LMSettings)
 
-    run = make_run({**standins.STANDINS, "evolver": Evolver()}, with_policy=True)
+    run = make_run({**standins.STANDINS, "evolver": Evolver()})
     lm = harness.reflection_lm(run, "evolver")
     assert isinstance(lm, PolicyLM) and harness.reflection_lm(run, "evolver") is lm
     assert run.resources["evolver.lm"] is lm
