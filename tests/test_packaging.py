@@ -114,9 +114,11 @@ def test_the_test_pins_reach_every_session_and_ci() -> None:
 
 
 def test_the_pytest_plugin_and_import_rlmix_load_neither_torch_nor_transformers() -> None:
-    """pytest loads ``rlmix.testing`` (entry point pytest11) in every run where rlmix is
-    installed: it must cost nothing until a test uses a fixture or helper."""
+    """pytest loads ``rlmix.testing`` and ``rlmix_conformance.pytest_plugin`` (entry points
+    pytest11) in every run where they are installed: they must cost nothing until a test uses a
+    fixture or helper (or the kit's option is given)."""
     code = ("import json, sys, rlmix, rlmix.testing, rlmix.plugins\n"
+            "import rlmix_conformance, rlmix_conformance.pytest_plugin\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "rlmix.testing.make_batch, rlmix.Run  # the helpers and types on first use\n"
             "print(json.dumps([heavy, 'torch' in sys.modules]))")
