@@ -48,7 +48,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import rlmix_code as new_code
-
     import rlmix_sandbox as new_sandbox
 
     _module_at(args.before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")

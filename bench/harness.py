@@ -128,7 +128,6 @@ class ArithAdapter:
 def run_package(run: Any, seed: dict[str, str], search: list, selection: list,
                 args: argparse.Namespace) -> dict[str, Any]:
     import gepa
-
     from rlmix_lm import PolicyLM
 
     lm = PolicyLM(run)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_lm import LMSettings, parse_verdict
 
 import rlmix
 from rlmix import ops
-from rlmix_lm import LMSettings, parse_verdict
 from rlmix.types import RolloutBatch, Run
 
 NAME = "fapo"

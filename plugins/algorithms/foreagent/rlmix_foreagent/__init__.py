@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import metric_values, task_pool, task_prompts, user_text
 from rlmix_lm import LMSettings, parse_verdict
+
+import rlmix
+from rlmix import loop
 from rlmix.types import Run
 
 NAME = "foreagent"

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_lm import LMSettings, parse_verdict
 
 import rlmix
-from rlmix_lm import LMSettings, parse_verdict
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
 NAME = "kto"

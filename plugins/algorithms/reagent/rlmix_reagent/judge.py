@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlmix_lm import LMSettings, parse_verdict
+
 from rlmix.types import RolloutBatch
 
 JUDGE_PROMPT = (

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_harness import cut, similarity, user_text
+from rlmix_lm import LMSettings
 
 import rlmix
 from rlmix import sampling
-from rlmix_harness import cut, similarity, user_text
-from rlmix_lm import LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "skill_validation"

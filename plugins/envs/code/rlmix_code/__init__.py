@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rlmix_sandbox import SandboxResult, run_many
 
 import rlmix
 from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
-from rlmix_sandbox import SandboxResult, run_many
 from rlmix.types import Prompt, RolloutBatch, Run
 from rlmix_code import judge
 

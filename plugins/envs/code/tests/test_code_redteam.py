@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 import rlmix_code as code
 from rlmix_code.redteam import HACKS
-
 from rlmix_sandbox import capabilities
 
 FULL = capabilities()["mode"] == "full"

@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import reflection_lm, score_tasks, task_pool, user_text
 from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ace"

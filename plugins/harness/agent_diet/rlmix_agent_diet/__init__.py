@@ -30,9 +30,10 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import reflection_lm
 from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.types import Prompt, Run, StepResult
 
 NAME = "agent_diet"

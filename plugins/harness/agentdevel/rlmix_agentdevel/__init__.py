@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     fenced_text,
     mean,
@@ -39,6 +38,8 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LMSettings, make_lm
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

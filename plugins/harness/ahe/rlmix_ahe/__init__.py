@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     Task,
     configure_evolver,
@@ -48,6 +46,9 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ahe"

@@ -33,7 +33,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     Task,
     configure_evolver,
@@ -48,6 +47,8 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "auto_harness"

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     Task,
     guard_heldout,
@@ -36,6 +35,8 @@ from rlmix_harness import (
     task_prompts,
     user_text,
 )
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "bootstrap_fewshot"

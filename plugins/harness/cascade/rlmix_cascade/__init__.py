@@ -33,9 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     cut,
     inside_rendering,
@@ -47,6 +44,9 @@ from rlmix_harness import (
     user_text,
     words,
 )
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "cascade"

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     configure_evolver,
     evolved_components,
@@ -37,6 +36,8 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

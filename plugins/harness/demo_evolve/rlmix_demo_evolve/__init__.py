@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
-from rlmix.errors import ConfigError
 from rlmix_harness import (
     configure_evolver,
     cut,
@@ -44,6 +42,9 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LMSettings, make_lm
+
+import rlmix
+from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -37,8 +37,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     Task,
     cut,
@@ -55,6 +53,9 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "evolve_mem"

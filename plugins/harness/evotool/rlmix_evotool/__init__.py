@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     configure_evolver,
     evolved_components,
@@ -40,6 +39,8 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

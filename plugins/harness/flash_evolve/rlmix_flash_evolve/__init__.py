@@ -46,8 +46,6 @@ from rlmix_gepa import (
     reflection_prompt,
     select_parent,
 )
-
-import rlmix
 from rlmix_harness import (
     GATES,
     Task,
@@ -61,6 +59,8 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LM, PolicyLM, TransformersLM
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     GATES,
     Task,
@@ -39,6 +38,8 @@ from rlmix_harness import (
     traces,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "gepa"

@@ -28,8 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.errors import ConfigError
 from rlmix_harness import (
     fenced_text,
     generate_scored,
@@ -43,6 +41,9 @@ from rlmix_harness import (
     words,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix.errors import ConfigError
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "harness_evolve"

@@ -36,7 +36,6 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     cut,
     inside_rendering,
@@ -46,6 +45,8 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 NAME = "icl_cascade"

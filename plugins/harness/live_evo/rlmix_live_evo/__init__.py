@@ -38,8 +38,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     cut,
     feedback_text,
@@ -54,6 +52,9 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "live_evo"

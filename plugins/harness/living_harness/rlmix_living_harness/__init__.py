@@ -36,8 +36,6 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     cut,
     inside_rendering,
@@ -50,6 +48,9 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.trajectories import tool_call as action_of
 from rlmix.trajectories import walk
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run, StepResult

@@ -30,8 +30,6 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
 from rlmix_harness import (
     cut,
     feedback_text,
@@ -43,6 +41,9 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.trajectories import walk
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 

@@ -36,7 +36,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
 from rlmix_harness import (
     mean,
     metric_values,
@@ -48,6 +47,8 @@ from rlmix_harness import (
     user_text,
 )
 from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "workflow_memory"
