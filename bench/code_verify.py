@@ -6,7 +6,7 @@ machine's load falls on both alike.
     OMP_NUM_THREADS=1 python bench/code_verify.py --before 49828e7 --rounds 3 --workers 2
 
 "before" is rebuilt from ``git show <rev>:<path>`` of ``core/rlmix/sandbox.py`` and
-``plugins/envs/code/rlmix_code/__init__.py`` (its ``rlmix.sandbox`` import pointed at the old
+``plugins/envs/code/rlmix_code/__init__.py`` (its ``rlmix_sandbox`` import pointed at the old
 sandbox). Prints one JSON line per round and a summary line.
 """
 
@@ -48,8 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import rlmix_code as new_code
-
-    from rlmix import sandbox as new_sandbox
+    import rlmix_sandbox as new_sandbox
 
     _module_at(args.before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     old_code = _module_at(args.before, "plugins/envs/code/rlmix_code/__init__.py",

@@ -27,10 +27,9 @@ from code_verify import _module_at  # noqa: E402
 
 
 def tools_table(before: str) -> None:
+    import rlmix_sandbox as new
     from rlmix_tools import Settings
     from rlmix_tools.redteam import TOOL_HACKS
-
-    from rlmix import sandbox as new
     old = _module_at(before, "core/rlmix/sandbox.py", "rlmix_bench_old_sandbox")
     s = Settings()
     folder = Path(tempfile.mkdtemp(prefix="rlmix-host-"))

@@ -12,7 +12,7 @@ evolving the ``instructions`` component from a deliberately weak seed. Both opti
 * the same task model and rollouts: SmolLM2-135M-Instruct in-process, greedy, through rlmix's
   ``run.generate`` and the arith scorer (``arith.correct`` is the metric), so one metric call
   is one scored rollout of one task for both;
-* the same reflection model: the same SmolLM2 in-process (``rlmix.lm.PolicyLM``), with the
+* the same reflection model: the same SmolLM2 in-process (``rlmix_lm.PolicyLM``), with the
   same token limit and temperature; the package calls it through its default proposal prompt,
   rlmix through its own;
 * the same traces: input, output, score, reward terms and the env's feedback;
@@ -128,8 +128,7 @@ class ArithAdapter:
 def run_package(run: Any, seed: dict[str, str], search: list, selection: list,
                 args: argparse.Namespace) -> dict[str, Any]:
     import gepa
-
-    from rlmix.lm import PolicyLM
+    from rlmix_lm import PolicyLM
 
     lm = PolicyLM(run)
 
@@ -257,7 +256,7 @@ def build_flash(args: argparse.Namespace, out: Path) -> Any:
     run = loop.build_run(cfg)
     if args.reflect_source == "local":  # one reflection copy, shared: the same model for both
         run.resources["flash_evolve.lm"] = run.resources["gepa.lm"] = \
-            run.resources[f"rlmix.lm.local:{args.model}"]
+            run.resources[f"rlmix_lm.local:{args.model}"]
     return run
 
 

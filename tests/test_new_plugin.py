@@ -2,7 +2,8 @@
 the core only, passes its own tests under tox and the conformance kit, and trains.
 
 The fresh environment: ``python -m venv``, ``pip install torch==2.13.0`` (the CPU wheel from the
-machine's disk), ``pip install -e <repo root>``, then the generated plugin. For a 2-step run the
+machine's disk), ``pip install -e <repo root>``, the conformance kit (``libs/conformance``), then
+the generated plugin. For a 2-step run the
 manifest needs a rollout engine and an env; the core ships none, so the repository's ``hf`` and
 ``arith`` plugins are installed too (``--no-deps``: they need nothing beyond the core). tox runs
 in that environment and reuses its torch and core (``RLMIX_REUSE_PATH``, see the generated
@@ -63,7 +64,7 @@ def test_generated_plugin_installs_alone_passes_tox_and_the_kit_and_trains(
     _run([*pip, "torch==2.13.0"], 300)
     _run([*pip, "-e", ROOT], 400)
     _run([*pip, "--no-deps", "-e", ROOT / "plugins" / "rollout" / "hf",
-          "-e", ROOT / "plugins" / "envs" / "arith"], 120)
+          "-e", ROOT / "plugins" / "envs" / "arith", "-e", ROOT / "libs" / "conformance"], 120)
     _run([*pip, "-e", plugin, "tox", "pytest"], 200)
     listed = _run([py, "-m", "rlmix", "plugins", "--json"], 120)
     names = {row["name"] for row in json.loads(listed[listed.index("["):])}
@@ -73,7 +74,8 @@ def test_generated_plugin_installs_alone_passes_tox_and_the_kit_and_trains(
     site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                 60).strip().splitlines()[-1]
     env = _env()
-    env["RLMIX_REUSE_PATH"] = os.pathsep.join([site, str(ROOT / "core")])
+    env["RLMIX_REUSE_PATH"] = os.pathsep.join([site, str(ROOT / "core"),
+                                               str(ROOT / "libs" / "conformance")])
     out = _run([venv / "bin" / "tox", "-q"], 400, cwd=plugin, env=env)
     assert "congratulations" in out or " OK " in out, out[-2000:]
 

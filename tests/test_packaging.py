@@ -50,11 +50,58 @@ def test_no_exact_pins_in_package_metadata() -> None:
 
 
 def test_every_plugin_folder_is_built_and_tested() -> None:
-    """The dist build and nox find plugin folders by glob, so a new plugin is included."""
+    """The dist build and nox find plugin and library folders by glob, so a new one is
+    included; lint covers the libraries."""
     folders = {p.parent for p in ROOT.glob("plugins/*/*/pyproject.toml")}
-    assert folders and set(build_dist.projects().values()) == folders | {ROOT}
+    libs = {p.parent for p in ROOT.glob("libs/*/pyproject.toml")}
+    assert {f.name for f in libs} >= {"sandbox", "harness", "lm", "conformance"}
+    assert folders and set(build_dist.projects().values()) == folders | libs | {ROOT}
     noxfile = (ROOT / "noxfile.py").read_text()
     assert 'glob("plugins/*/*/pyproject.toml")' in noxfile
+    assert 'glob("libs/*/pyproject.toml")' in noxfile and '"libs", "plugins"' in noxfile
+
+
+def _requirement_names(project: dict, extra: str | None = None) -> set[str]:
+    lines = project.get("dependencies", []) if extra is None else \
+        project.get("optional-dependencies", {}).get(extra, [])
+    return {Requirement(line).name for line in lines}
+
+
+def test_each_distribution_declares_the_repositorys_distributions_it_imports() -> None:
+    """A plugin or library that imports another of the repository's distributions
+    (``rlmix_harness``, ``rlmix_gepa``) declares it: in ``dependencies`` when its package
+    imports it, at least in its ``test`` extra when only its tests do (``nox -s isolated``
+    installs only what is declared). The core imports none of them."""
+    import re
+
+    modules: dict[str, str] = {}
+    projects = build_dist.projects()
+    for name, folder in projects.items():
+        for pkg in folder.glob("rlmix_*/__init__.py"):
+            modules[pkg.parent.name] = name
+    imported = re.compile(r"^\s*(?:from|import)\s+(rlmix_\w+)", re.M)
+
+    def used(files: list[Path]) -> set[str]:
+        return {modules[m] for f in files for m in imported.findall(f.read_text())
+                if m in modules}
+
+    missing = []
+    for name, folder in projects.items():
+        if folder == ROOT:
+            core = used(list((ROOT / "core").rglob("*.py")))
+            assert not core, f"the core imports helper libraries or plugins: {sorted(core)}"
+            continue
+        project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        run_deps = _requirement_names(project)
+        test_deps = run_deps | _requirement_names(project, "test")
+        own = [f for pkg in folder.glob("rlmix_*/") for f in pkg.rglob("*.py")]
+        tests = list((folder / "tests").rglob("*.py"))
+        for dist in sorted(used(own) - {name} - run_deps):
+            missing.append(f"{folder.relative_to(ROOT)}: imports {dist} (add to dependencies)")
+        for dist in sorted(used(tests) - {name} - test_deps):
+            missing.append(f"{folder.relative_to(ROOT)}: its tests import {dist} (add to the "
+                           f"test extra)")
+    assert not missing, "\n".join(missing)
 
 
 def test_the_test_pins_reach_every_session_and_ci() -> None:
@@ -67,9 +114,11 @@ def test_the_test_pins_reach_every_session_and_ci() -> None:
 
 
 def test_the_pytest_plugin_and_import_rlmix_load_neither_torch_nor_transformers() -> None:
-    """pytest loads ``rlmix.testing`` (entry point pytest11) in every run where rlmix is
-    installed: it must cost nothing until a test uses a fixture or helper."""
+    """pytest loads ``rlmix.testing`` and ``rlmix_conformance.pytest_plugin`` (entry points
+    pytest11) in every run where they are installed: they must cost nothing until a test uses a
+    fixture or helper (or the kit's option is given)."""
     code = ("import json, sys, rlmix, rlmix.testing, rlmix.plugins\n"
+            "import rlmix_conformance, rlmix_conformance.pytest_plugin\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "rlmix.testing.make_batch, rlmix.Run  # the helpers and types on first use\n"
             "print(json.dumps([heavy, 'torch' in sys.modules]))")

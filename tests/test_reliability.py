@@ -174,3 +174,16 @@ def test_plugins_check_without_pytest_says_so(monkeypatch: pytest.MonkeyPatch,
     err = capsys.readouterr().err
     assert err.startswith("rlmix: error: plugins --check runs the conformance kit, which "
                           "needs pytest") and "Traceback" not in err
+
+
+def test_plugins_check_without_the_conformance_kit_says_which_distribution(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The kit is the optional distribution rlmix-conformance: the core imports it for
+    ``--check`` only, and without it says the pip command."""
+    monkeypatch.setitem(sys.modules, "rlmix_conformance", None)
+    monkeypatch.setitem(sys.modules, "rlmix_conformance.cli", None)
+    assert cli.main(["plugins", "--check", "grpo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlmix: error: plugins --check runs the conformance kit, the "
+                          "distribution rlmix-conformance") and "pip install rlmix-conformance" \
+        in err and "Traceback" not in err

@@ -1,4 +1,5 @@
-"""Build a wheel (and an sdist) of the core and of every plugin, or of the named distributions.
+"""Build a wheel (and an sdist) of the core, every helper library and every plugin, or of the
+named distributions.
 
     python tools/build_dist.py --out dist                      # everything (nox -s dist)
     python tools/build_dist.py --out /tmp/d --wheels-only rlmix rlmix-grpo
@@ -6,8 +7,9 @@
 Wheels come from ``pip wheel --no-deps`` (one pip call for all of them); sdists from
 ``python -m build --sdist``. Without ``--isolation`` both build with the running interpreter's
 setuptools (fast: no build environment per package); with it, in pip's isolated environments.
-The projects are found anew each time (the core's pyproject.toml and every
-``plugins/*/*/pyproject.toml``), so a plugin folder added later is built too.
+The projects are found anew each time (the core's pyproject.toml, every
+``libs/*/pyproject.toml`` and every ``plugins/*/*/pyproject.toml``), so a folder added later is
+built too.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def projects() -> dict[str, Path]:
-    """Distribution name -> project folder: the core, then every plugin in folder order."""
+    """Distribution name -> project folder: the core, the helper libraries, then every plugin,
+    each in folder order."""
     found: dict[str, Path] = {}
-    for pyproject in [ROOT / "pyproject.toml", *sorted(ROOT.glob("plugins/*/*/pyproject.toml"))]:
+    for pyproject in [ROOT / "pyproject.toml", *sorted(ROOT.glob("libs/*/pyproject.toml")),
+                      *sorted(ROOT.glob("plugins/*/*/pyproject.toml"))]:
         found[tomllib.loads(pyproject.read_text())["project"]["name"]] = pyproject.parent
     return found
 

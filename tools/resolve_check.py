@@ -7,8 +7,8 @@ dry-run mode with a report: nothing is installed, and no big wheel is downloaded
 Scenarios (each must resolve; a pin in our metadata that makes one fail is a bug):
   vllm        core + rlmix-vllm[engine], vLLM 0.33 (its own torch and transformers pins)
   deepspeed   core + rlmix-deepspeed, torch 2.15
-  all-2.15    core + every plugin, torch 2.15
-  all-test    core + every plugin, the test environments' constraints.txt
+  all-2.15    core + every helper library and plugin, torch 2.15
+  all-test    core + every helper library and plugin, the test environments' constraints.txt
 
 The local distributions come from their wheels (given by path, and as --find-links for the
 plugins one plugin needs); everything else from the package index. The machine's pip
@@ -50,16 +50,16 @@ class Scenario:
 
 
 def scenarios(local: list[str]) -> list[Scenario]:
-    plugins = [n for n in local if n != "rlmix"]
+    plugins = [n for n in local if n != "rlmix"]  # the helper libraries (libs/) included
     test_pins = (ROOT / "constraints.txt").read_text().splitlines()
     return [
         Scenario("vllm", "core + rlmix-vllm[engine], vLLM 0.33",
                  ["rlmix", "rlmix-vllm[engine]"], ["vllm==0.33.*"], {"vllm": "0.33."}),
         Scenario("deepspeed", "core + rlmix-deepspeed, torch 2.15",
                  ["rlmix", "rlmix-deepspeed"], ["torch==2.15.*"], {"torch": "2.15."}),
-        Scenario("all-2.15", "core + every plugin, torch 2.15",
+        Scenario("all-2.15", "core + every library and plugin, torch 2.15",
                  ["rlmix", *plugins], ["torch==2.15.*"], {"torch": "2.15."}),
-        Scenario("all-test", "core + every plugin, constraints.txt",
+        Scenario("all-test", "core + every library and plugin, constraints.txt",
                  ["rlmix", *plugins], test_pins, {"torch": "2.13.0"}),
     ]
 

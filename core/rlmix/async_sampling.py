@@ -98,7 +98,7 @@ class AsyncSampler:
         self.weights_lock = threading.RLock()
         # held by the worker during a generation call; re-entrant, because a wrapper on
         # rlmix_prompts running in the worker (routing, retrieval) renders prompts under other
-        # harnesses through rlmix.harness.prompts_under, which pauses the sampler again
+        # harnesses through rlmix_harness.prompts_under, which pauses the sampler again
         self._pause_lock = threading.RLock()
         self._cond = threading.Condition()
         self._buffer: dict[int, _Item] = {}

@@ -140,7 +140,7 @@ def _imports(body: str, module: bool, module_name: str) -> str:
     if testing:
         first.append(f"from rlmix.testing import {', '.join(sorted(testing))}")
     if re.search(r"\bcheck_plugin\(", body):
-        first.append("from rlmix.testing.conformance import check_plugin")
+        first.append("from rlmix_conformance import check_plugin")
     types = [t for t in _TYPES if re.search(rf"\b{t}\b", body)]
     if types:
         names = sorted(types, key=lambda n: (not n.isupper(), n))  # isort: constants first

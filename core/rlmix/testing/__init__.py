@@ -5,10 +5,11 @@ Fixtures: ``tiny_model`` (a random Llama and byte tokenizer, built in-process), 
 ``toy_policy`` (a tabular policy on which an advantage and a loss run hundreds of steps in
 seconds).
 
-``rlmix.testing.conformance`` is the conformance kit (``check_plugin(name)``: the contract of
-every hook a plugin implements); ``rlmix.testing.standins`` holds the stand-in plugins it
-registers before the plugin under test (a fake env, a fake rollout, a simple algorithm).
-``pytest --rlmix-conformance NAME`` runs the kit on an installed plugin as pytest items.
+``rlmix.testing.standins`` holds stand-in plugins (a fake env, a fake rollout, a simple
+algorithm) that tests register around a plugin under test. The conformance kit
+(``check_plugin(name)``, ``pytest --rlmix-conformance NAME``) is the distribution
+``rlmix-conformance`` (``libs/conformance``, import ``rlmix_conformance``), which registers the
+stand-ins before the plugin it checks.
 """
 
 from __future__ import annotations
@@ -70,34 +71,3 @@ def toy_policy() -> ToyPolicy:
     from rlmix.testing.helpers import ToyPolicy
 
     return ToyPolicy()
-
-
-# ---------------------------------------------------------------- pytest --rlmix-conformance NAME
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("rlmix", "rlmix plugin conformance")
-    group.addoption("--rlmix-conformance", action="append", default=[], metavar="NAME",
-                    help="run the rlmix conformance kit against the installed plugin NAME "
-                         "(repeat for several)")
-    group.addoption("--rlmix-conformance-level", choices=("quick", "full"), default="full",
-                    help="quick: the checks of 'rlmix plugins --check'; full (default): also "
-                         "seeded re-runs, minibatch splits, accumulation and a resume")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """With ``--rlmix-conformance``, collect the kit's parametrized test module (its file name
-    does not start with ``test_``; pytest collects a file named on the command line whatever its
-    name). Without other paths on the command line, it is the only thing collected."""
-    if not config.getoption("rlmix_conformance", default=None):
-        return
-    from pathlib import Path
-
-    suite = str(Path(__file__).with_name("conformance_suite.py"))
-    source = getattr(config, "args_source", None)
-    explicit = source is not None and source == pytest.Config.ArgsSource.ARGS
-    if explicit:
-        if suite not in config.args:
-            config.args.append(suite)
-    else:
-        config.args = [suite]

@@ -2,7 +2,7 @@
 
 A flawed positive is a correct answer reached by a flawed route (guessing, jumping to the
 answer without the reasoning). A pluggable detector flags them: ``rules`` (guess phrases, too
-few reasoning steps before the answer) or ``judge`` (an ``rlmix.lm`` model standing in for the
+few reasoning steps before the answer) or ``judge`` (an ``rlmix_lm`` model standing in for the
 paper's GenRM, answering ``{"flawed": true|false}``). The plugin adds one reward term,
 ``penalty`` (``reward/fapo.penalty``, never positive):
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_lm import LMSettings, parse_verdict
 
 import rlmix
 from rlmix import ops
-from rlmix.lm import LMSettings, parse_verdict
 from rlmix.types import RolloutBatch, Run
 
 NAME = "fapo"
@@ -53,7 +53,7 @@ class Settings:
     schedule: str = "accuracy"  # accuracy (parameter-free) | constant
     coef: float = 1.0  # scale of the penalty; 1 keeps a flawed positive's reward >= 0
     max_response_chars: int = 4000  # judge: the response is cut here before it is sent
-    lm: LMSettings = field(default_factory=LMSettings)  # judge: the model (rlmix.lm)
+    lm: LMSettings = field(default_factory=LMSettings)  # judge: the model (rlmix_lm)
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, detector=DETECTORS, schedule=SCHEDULES)
@@ -180,7 +180,7 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
     if s.detector == "rules":
         flawed = rule_flaws(batch.texts, s.guess_patterns, s.min_steps, s.step_separator)
     else:
-        from rlmix.harness import reflection_lm
+        from rlmix_harness import reflection_lm
 
         rows = correct.nonzero().flatten().tolist()  # only positives can be flawed positives
         if rows:

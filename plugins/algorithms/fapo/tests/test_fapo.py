@@ -11,11 +11,11 @@ import pytest
 import rlmix_fapo as fapo
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.judges import ScriptedJudge, every_kth_malformed
 
 import rlmix
 from rlmix import cli, loop, ops
 from rlmix.testing import ToyPolicy, make_batch, make_run, skip_unless_installed, toy_train
-from rlmix.testing.judges import ScriptedJudge, every_kth_malformed
 from rlmix.types import LossTerms, Prompt
 
 EXAMPLE = Path(fapo.__file__).parents[4] / "examples" / "rewards" / "fapo-arith.yaml"

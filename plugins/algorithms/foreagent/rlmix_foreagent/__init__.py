@@ -8,7 +8,7 @@ function. The plugin's hook is ``rlmix_evaluate``: best-of-``candidates`` select
 executed score, the metric calls it took and the predictor's pairwise accuracy and Brier score
 on executed pairs, as ``eval/foreagent/...``.
 
-Predictors: ``lm`` (an ``rlmix.lm`` model primed with ``report``, a data/task analysis text,
+Predictors: ``lm`` (an ``rlmix_lm`` model primed with ``report``, a data/task analysis text,
 answering ``{"better": "A"|"B", "confidence": 0.5..1}``), ``resource`` (a function
 ``fn(task, text_a, text_b) -> P(a better)`` in
 ``run.plugin_resources("foreagent")["predictor"]``, e.g. a
@@ -22,10 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmix_harness import metric_values, task_pool, task_prompts, user_text
+from rlmix_lm import LMSettings, parse_verdict
+
 import rlmix
 from rlmix import loop
-from rlmix.harness import metric_values, task_pool, task_prompts, user_text
-from rlmix.lm import LMSettings, parse_verdict
 from rlmix.types import Run
 
 NAME = "foreagent"
@@ -146,7 +147,7 @@ def make_preference(run: Run, s: Settings, task: str, texts: Sequence[str],
             raise rlmix.ConfigError("foreagent.predictor 'resource' needs a function in "
                                     "run.plugin_resources('foreagent')['predictor']")
         return lambda i, j: fn(task, texts[i], texts[j])
-    from rlmix.harness import reflection_lm
+    from rlmix_harness import reflection_lm
 
     return lm_preference(reflection_lm(run, NAME), s.report, task, texts,
                          s.max_candidate_chars, s.lm.max_new_tokens)

@@ -13,11 +13,11 @@ import pytest
 import rlmix_foreagent as fa
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.judges import ScriptedJudge, every_kth_malformed
 
 import rlmix
 from rlmix import cli
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.judges import ScriptedJudge, every_kth_malformed
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch
 
 EXAMPLE = Path(fa.__file__).parents[4] / "examples" / "rewards" / "foreagent-arith.yaml"

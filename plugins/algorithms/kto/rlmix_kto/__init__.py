@@ -2,7 +2,7 @@
 undesirable, and Kahneman-Tversky Optimization trains on those binary labels.
 
 * ``rlmix_score``: splits each completion into steps (each token, or text split at
-  ``step_separator``), gets a label per step from the verifier (``judge``: an ``rlmix.lm``
+  ``step_separator``), gets a label per step from the verifier (``judge``: an ``rlmix_lm``
   model; ``info``: ``batch.info[i]["step_labels"]`` from the env; ``outcome``: a reward term
   labels every step of its row), and stores per-token step ids and labels in ``batch.extras``.
   Its term ``desirable`` (the share of a row's labelled steps that are desirable) is for
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_lm import LMSettings, parse_verdict
 
 import rlmix
-from rlmix.lm import LMSettings, parse_verdict
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
 NAME = "kto"
@@ -52,7 +52,7 @@ class Settings:
     reference: str = "initial"  # initial (a frozen copy of the starting policy) | behavior
     max_steps: int = 32  # steps per row sent to the judge at most (later steps unlabelled)
     max_step_chars: int = 400  # each step is cut here before it is sent
-    lm: LMSettings = field(default_factory=LMSettings)  # judge: the model (rlmix.lm)
+    lm: LMSettings = field(default_factory=LMSettings)  # judge: the model (rlmix_lm)
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, verifier=VERIFIERS, steps=STEPS, reference=REFERENCES)
@@ -243,7 +243,7 @@ def rlmix_score(run: Run, batch: RolloutBatch) -> dict[str, torch.Tensor]:
         good = (_outcome(run, batch, s.outcome_term) > s.threshold).tolist()
         labels = [[g] * (int(ids[i].max()) + 1) for i, g in enumerate(good)]
     else:
-        from rlmix.harness import reflection_lm
+        from rlmix_harness import reflection_lm
 
         labels, malformed = judge_labels(reflection_lm(run, NAME),
                                          [_question(batch, i) for i in range(n)], texts,

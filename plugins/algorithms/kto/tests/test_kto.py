@@ -13,11 +13,11 @@ import pytest
 import rlmix_kto as kto
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.judges import ScriptedJudge, every_kth_malformed
 
 import rlmix
 from rlmix import cli, loop
 from rlmix.testing import ToyPolicy, make_batch, make_run, skip_unless_installed, toy_train
-from rlmix.testing.judges import ScriptedJudge, every_kth_malformed
 from rlmix.types import LossTerms, Minibatch, Normalizers, Prompt
 
 EXAMPLE = Path(kto.__file__).parents[4] / "examples" / "rewards" / "kto-arith.yaml"

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlmix.lm import LMSettings, parse_verdict
+from rlmix_lm import LMSettings, parse_verdict
+
 from rlmix.types import RolloutBatch
 
 JUDGE_PROMPT = (

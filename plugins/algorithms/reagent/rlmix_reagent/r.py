@@ -32,7 +32,7 @@ def verdicts_for(run: Run, batch: RolloutBatch, rows: list[int], owner: str,
                  s: JudgeSettings) -> None:
     """Judge ``rows`` that have no cached verdict; record each in ``batch.info[i]["reagent"]``
     (``score`` 0 and ``malformed`` True for an unreadable reply) and log the cost."""
-    from rlmix.harness import reflection_lm
+    from rlmix_harness import reflection_lm
 
     todo = [i for i in rows if cached(batch, i) is None]
     if todo:

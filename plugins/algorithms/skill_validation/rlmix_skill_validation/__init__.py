@@ -4,7 +4,7 @@ Each prompt's group of ``G`` rollouts is split into matched halves under the sam
 retrieval context:
 
 * the *base* half (``G // 2`` rows) sees the skills retrieved from the bank for that task;
-* a candidate skill is induced from the base half's trajectories (an ``rlmix.lm`` model, or a
+* a candidate skill is induced from the base half's trajectories (an ``rlmix_lm`` model, or a
   function in ``run.plugin_resources("skill_validation")["generator"]``);
 * the *skill* half (the other ``G - G // 2`` rows) sees the same skills plus the candidate.
 
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rlmix_harness import cut, similarity, user_text
+from rlmix_lm import LMSettings
 
 import rlmix
 from rlmix import sampling
-from rlmix.harness import cut, similarity, user_text
-from rlmix.lm import LMSettings
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "skill_validation"
@@ -47,7 +47,7 @@ class Settings:
     header: str = "Skills:"  # the line above the skills appended to the task's user message
     skill_chars: int = 200  # a candidate is cut here
     trace_chars: int = 200  # each attempt shown to the generator is cut here
-    lm: LMSettings = field(default_factory=LMSettings)  # the skill generator (rlmix.lm)
+    lm: LMSettings = field(default_factory=LMSettings)  # the skill generator (rlmix_lm)
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, admit=ADMIT)
@@ -121,7 +121,7 @@ def induce(run: Run, s: Settings, prompt: Prompt, texts: Sequence[str],
     if custom is not None:
         skill = custom(prompt, list(texts), list(rewards))
     else:
-        from rlmix.harness import reflection_lm
+        from rlmix_harness import reflection_lm
 
         attempts = "\n".join(f"[score {r:g}] {cut(t, s.trace_chars)}"
                              for t, r in zip(texts, rewards))

@@ -12,11 +12,11 @@ import pytest
 import rlmix_skill_validation as sv
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.judges import ScriptedJudge
 
 import rlmix
 from rlmix import cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.judges import ScriptedJudge
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch
 
 EXAMPLE = Path(sv.__file__).parents[4] / "examples" / "rewards" / "skill_validation-arith.yaml"

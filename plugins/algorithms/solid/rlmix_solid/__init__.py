@@ -1,7 +1,7 @@
 """SOLID: rewards without verified answers, from the executed artifacts of a group's rollouts.
 
 Each rollout's artifact (an arithmetic expression, evaluated by a small AST evaluator; or a
-Python program, run in ``rlmix.sandbox``, whose last printed line is its value) is executed. The
+Python program, run in ``rlmix_sandbox``, whose last printed line is its value) is executed. The
 group's values are clustered within a tolerance; the strictly largest cluster (at least
 ``min_votes`` members) is the majority, and its first member is the group's pseudo-reference.
 
@@ -36,7 +36,7 @@ MAX_EXPONENT = 64
 
 @dataclass
 class Settings:
-    executor: str = "expression"  # expression (AST evaluator) | python (rlmix.sandbox)
+    executor: str = "expression"  # expression (AST evaluator) | python (rlmix_sandbox)
     artifact_regex: str = ""  # group 1 is the artifact; "" = the executor's default (README)
     atol: float = 1e-6  # two values agree when |a - b| <= atol + rtol * max(|a|, |b|)
     rtol: float = 1e-6
@@ -128,9 +128,9 @@ def extract_artifact(text: str, executor: str = "expression", regex: str = "") -
 
 def program_values(programs: Sequence[str], timeout_s: float = 2.0,
                    memory_mb: int = 256) -> list[float | None]:
-    """Run each program in ``rlmix.sandbox``; its value is the last line it printed, read as a
+    """Run each program in ``rlmix_sandbox``; its value is the last line it printed, read as a
     number (``None`` when it failed, timed out or printed no number)."""
-    from rlmix.sandbox import run_many
+    from rlmix_sandbox import run_many
 
     results = run_many(list(programs), timeout_s=timeout_s, memory_mb=memory_mb)
     out: list[float | None] = []

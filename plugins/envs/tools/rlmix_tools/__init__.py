@@ -248,9 +248,9 @@ def run_tool(call: ToolCall, settings: Settings) -> tuple[str, dict[str, Any]]:
 
 def _run_python(code: str, settings: Settings, info: dict[str, Any]) -> tuple[str, dict]:
     try:
-        from rlmix.sandbox import run_python
+        from rlmix_sandbox import run_python
     except ImportError:  # a core without the sandbox: the tool is unavailable, never unsafe
-        info["error"], info["kind"] = "python tool unavailable (no rlmix.sandbox)", "tool_error"
+        info["error"], info["kind"] = "python tool unavailable (no rlmix_sandbox)", "tool_error"
         return "error: the python tool is unavailable", info
     if not code.strip():
         info["error"], info["kind"] = "empty program", "tool_error"

@@ -142,7 +142,7 @@ def test_python_tool_runs_in_the_sandbox():
 def test_python_tool_without_a_sandbox_is_an_error_not_a_crash(monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "rlmix.sandbox", None)  # import fails
+    monkeypatch.setitem(sys.modules, "rlmix_sandbox", None)  # import fails
     message, info = run_tool(ToolCall("python", "print(1)"), Settings())
     assert message.startswith("error") and "unavailable" in info["error"]
 

@@ -8,10 +8,10 @@ import socket
 import time
 
 import pytest
+from rlmix_sandbox import capabilities, run_many
 from rlmix_tools import Settings, ToolCall, ToolEpisode, grade, run_tool
 from rlmix_tools.redteam import TOOL_HACKS
 
-from rlmix.sandbox import capabilities, run_many
 from rlmix.types import Prompt
 
 FULL = capabilities()["mode"] == "full"

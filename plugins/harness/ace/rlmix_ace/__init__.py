@@ -6,7 +6,7 @@ detail is never lost to a rewrite (its "context collapse"). Each ``rlmix_evolve`
 
 1. **generator**: the policy answered this step's prompts with the playbook in its context and
    was asked to cite the ids of the bullets it used (``[b-a]``); the citations are parsed;
-2. **reflector** (an ``rlmix.lm`` model): for a few samples, reads the task, answer, reward and
+2. **reflector** (an ``rlmix_lm`` model): for a few samples, reads the task, answer, reward and
    the env's feedback, tags each cited bullet helpful or harmful, and states a lesson;
    cited bullets it does not tag are tagged from the reward (``tagging: reward`` always does);
 3. counters: each tag adds one to the bullet's ``helpful`` or ``harmful`` count;
@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmix_harness import reflection_lm, score_tasks, task_pool, user_text
+from rlmix_lm import LM, LMSettings
+
 import rlmix
 from rlmix import loop
-from rlmix.harness import reflection_lm, score_tasks, task_pool, user_text
-from rlmix.lm import LM, LMSettings
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ace"

@@ -24,11 +24,11 @@ from rlmix_ace import (
     similarity,
     update_counters,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import loop
 from rlmix.testing import make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.types import Prompt, RolloutBatch
 
 # ---------------------------------------------------------------- playbook pieces

@@ -30,9 +30,10 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmix_harness import reflection_lm
+from rlmix_lm import LMSettings
+
 import rlmix
-from rlmix.harness import reflection_lm
-from rlmix.lm import LMSettings
 from rlmix.types import Prompt, Run, StepResult
 
 NAME = "agent_diet"

@@ -3,7 +3,7 @@
 Each ``rlmix_evolve`` call is one release round:
 
 1. run the current release on the fixed check tasks;
-2. an **implementation-blind critic** (``critic``, an ``rlmix.lm`` block) labels each failure
+2. an **implementation-blind critic** (``critic``, an ``rlmix_lm`` block) labels each failure
    with a symptom ``<kind>: <detail>``; it sees the task as posed (rendered with an empty
    harness), the output and the env's feedback, never the harness text;
 3. **executable diagnosis** (``diagnose``, plain code): the dominant symptom kind, and a spec
@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     fenced_text,
     mean,
     reflection_lm,
@@ -38,7 +37,9 @@ from rlmix.harness import (
     traces,
     user_text,
 )
-from rlmix.lm import LMSettings, make_lm
+from rlmix_lm import LMSettings, make_lm
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import rlmix_agentdevel
 from rlmix_agentdevel import diagnose, flip_gate, flips, parse_proposal, parse_symptom
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.errors import ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -14,7 +14,7 @@ observability; this plugin is our reading of each, on rlmix's text harness:
    *prediction* in a small checkable language (``mean rises by >= 0.1``, ``tasks c1, c4 pass``,
    ``tasks matching "topic t2" rise by >= 0.5``, ``mean does not drop``, ``no passing task
    fails``); an edit whose prediction does not parse is rejected. The next round scores the
-   harness on fixed check tasks (``rlmix.harness.score_tasks``), checks every open prediction
+   harness on fixed check tasks (``rlmix_harness.score_tasks``), checks every open prediction
    against the scores from before the edit, keeps the edits whose prediction held and reverts
    (file and ``run.harness``) those whose prediction failed. A ledger records every edit, its
    prediction and its outcome; failed predictions also enter the corpus as lessons.
@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     configure_evolver,
     evolved_components,
@@ -47,7 +45,10 @@ from rlmix.harness import (
     task_pool,
     traces,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "ahe"

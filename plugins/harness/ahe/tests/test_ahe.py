@@ -23,12 +23,12 @@ from rlmix_ahe import (
     parse_prediction,
     signature,
 )
+from rlmix_harness import score_tasks, task_pool
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import score_tasks, task_pool
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins
 
 ROOT = Path(__file__).resolve().parents[4]

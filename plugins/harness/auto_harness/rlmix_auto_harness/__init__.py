@@ -12,7 +12,7 @@ the manifest's harness; a child specialises its parent on the tasks where they d
 * **measures both losses** every step: every node solves the step's tasks once more, greedily
   (hindsight); ``evolution_loss = oracle - mean(best node per task)`` and
   ``adaptation_loss = mean(best node per task) - mean(routed node per task)``;
-* **evolves statefully**: the node that served the most failures is reflected on (``rlmix.lm``,
+* **evolves statefully**: the node that served the most failures is reflected on (``rlmix_lm``,
   traces of its failures); the child is checked on the tasks that node served recently. Gains
   and no losses: the node is edited in place. Gains and losses: the child is kept as a new node
   beside its parent (a split). No gains: the child is kept as a *draft* that the next step
@@ -33,8 +33,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     configure_evolver,
     evolved_components,
@@ -47,7 +46,9 @@ from rlmix.harness import (
     traces,
     user_text,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "auto_harness"

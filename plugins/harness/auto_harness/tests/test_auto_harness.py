@@ -23,11 +23,11 @@ from rlmix_auto_harness import (
     reflection_prompt,
     route,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, hint_plugins, hint_reflection
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     guard_heldout,
     mean,
@@ -36,6 +35,8 @@ from rlmix.harness import (
     task_prompts,
     user_text,
 )
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "bootstrap_fewshot"

@@ -18,10 +18,10 @@ from rlmix_bootstrap_fewshot import (
     passing_demos,
     render_demos,
 )
+from rlmix_harness import mean, score_tasks
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import mean, score_tasks
 from rlmix.testing import make_run, skip_unless_installed
 from rlmix.testing.harness import HintEnv, HintModel, harness_words
 

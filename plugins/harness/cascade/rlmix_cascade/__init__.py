@@ -33,10 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     inside_rendering,
     mean,
@@ -47,6 +44,9 @@ from rlmix.harness import (
     user_text,
     words,
 )
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "cascade"

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     evolved_components,
     fenced_text,
@@ -36,7 +35,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import rlmix_darwinx
 from rlmix_darwinx import edit_prompt, extends, parse_proposal, recombination, solved
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.errors import ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.landscape import landscape_plugins, path_proposer, path_world
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -7,7 +7,7 @@ Each ``rlmix_evolve`` call is one proposal:
    tasks;
 2. the demonstrations most similar to those failures (``select_demos``) come from a JSON-lines
    file (``demos_path``: one ``{"input": ..., "output": ...}`` per line) or from a teacher
-   model's runs on the failed tasks (``demo_source: teacher``, ``teacher`` an ``rlmix.lm``
+   model's runs on the failed tasks (``demo_source: teacher``, ``teacher`` an ``rlmix_lm``
    block), banked for later proposals;
 3. the reflection LM (``lm``) rewrites one component (round-robin) from the agent's traces and
    the demonstrations;
@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import rlmix
-from rlmix.errors import ConfigError
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     cut,
     evolved_components,
@@ -43,7 +41,10 @@ from rlmix.harness import (
     task_prompts,
     traces,
 )
-from rlmix.lm import LMSettings, make_lm
+from rlmix_lm import LMSettings, make_lm
+
+import rlmix
+from rlmix.errors import ConfigError
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import rlmix_demo_evolve
 from rlmix_demo_evolve import parse_proposal, read_demos, reflection_prompt, select_demos
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.errors import ConfigError, ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import SparseHintEnv, demo_reader, hint_demos
 from rlmix.testing.harness import HINTS, HintModel
 

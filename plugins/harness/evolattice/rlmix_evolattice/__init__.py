@@ -5,7 +5,7 @@ Each ``rlmix_evolve`` call is one round:
 
 1. **Target** the weakest component: the one whose best alternative has the lowest mean
    credit (``alternative_means``), components never mutated first.
-2. **Mutate**: the reflection LM (``rlmix.lm``) sees that component's alternatives with their
+2. **Mutate**: the reflection LM (``rlmix_lm``) sees that component's alternatives with their
    credits and traces of the best path, and writes one new alternative; it is added beside the
    others (a duplicate is not). Past ``max_alternatives`` the lowest-credit alternative that is
    not on the best path is pruned: the best path's alternatives are never deleted.
@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     evolved_components,
     mean,
@@ -42,7 +41,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -23,10 +23,10 @@ from rlmix_evolattice import (
     unseen_pairs,
     weakest_component,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.landscape import component_proposer, landscape_plugins, trap_world
 
 ROOT = Path(__file__).resolve().parents[4]

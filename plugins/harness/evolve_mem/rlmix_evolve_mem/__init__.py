@@ -37,9 +37,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     Task,
     cut,
     feedback_text,
@@ -54,7 +52,10 @@ from rlmix.harness import (
     task_pool,
     user_text,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "evolve_mem"

@@ -14,11 +14,11 @@ import pytest
 import rlmix_evolve_mem as em
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import checkpoint, cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, harness_words, hint_plugins
 
 EXAMPLE = em.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/evolve_mem-arith.yaml"

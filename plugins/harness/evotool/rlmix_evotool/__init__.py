@@ -29,8 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     evolved_components,
     mean,
@@ -39,7 +38,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -22,11 +22,11 @@ from rlmix_evotool import (
     regressions,
     unique_wins,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.errors import ManifestError
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.modules import module_plugins, module_rewriter
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -46,9 +46,7 @@ from rlmix_gepa import (
     reflection_prompt,
     select_parent,
 )
-
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     GATES,
     Task,
     configure_evolver,
@@ -60,7 +58,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LM, PolicyLM, TransformersLM
+from rlmix_lm import LM, PolicyLM, TransformersLM
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "flash_evolve"

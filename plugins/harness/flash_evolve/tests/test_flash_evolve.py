@@ -17,11 +17,11 @@ import rlmix_gepa
 import torch
 from omegaconf import OmegaConf
 from rlmix_flash_evolve import Budget, resolve_stale
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import checkpoint, cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, HintModel, hint_reflection
 
 ROOT = Path(__file__).resolve().parents[4]

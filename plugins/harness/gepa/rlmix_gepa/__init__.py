@@ -6,7 +6,7 @@ Each ``rlmix_evolve`` call is one GEPA iteration (Agrawal et al., 2025, arXiv:25
    (dominated candidates dropped, sampled by the number of tasks each one wins);
 2. run the parent on a minibatch of search tasks, keeping traces (input, output, reward terms,
    the env's feedback in ``batch.info``);
-3. ask the reflection LM (``rlmix.lm``) to rewrite one component from those traces;
+3. ask the reflection LM (``rlmix_lm``) to rewrite one component from those traces;
 4. run the child on the same minibatch; keep it only if its minibatch score strictly improves,
    then score it on every selection task (and pass the flip gate when ``gates`` is listed);
 5. now and then, merge two front candidates that share an ancestor, taking each component from
@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     GATES,
     Task,
     configure_evolver,
@@ -38,7 +37,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 NAME = "gepa"

@@ -23,11 +23,11 @@ from rlmix_gepa import (
     reflection_prompt,
     select_parent,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import loop
 from rlmix.testing import make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, hint_plugins, hint_reflection
 
 # ---------------------------------------------------------------- Pareto selection

@@ -28,9 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.errors import ConfigError
-from rlmix.harness import (
+from rlmix_harness import (
     fenced_text,
     generate_scored,
     guard_heldout,
@@ -42,7 +40,10 @@ from rlmix.harness import (
     user_text,
     words,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix.errors import ConfigError
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "harness_evolve"

@@ -17,10 +17,10 @@ from rlmix_harness_evolve import (
     performance_ok,
     with_reference,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import LeakModel, leaky_proposer
 from rlmix.testing.harness import HintEnv
 from rlmix.types import Prompt

@@ -7,7 +7,7 @@ Each ``rlmix_evolve`` call is one expansion:
    posteriors over each node's clade-metaproductivity (CMP: the pooled results of its
    descendants), level by level from the root; ``own_score`` (the baseline the paper argues
    against) takes the node with the best score of its own;
-2. ask the reflection LM (``rlmix.lm``) to rewrite one component of that node (round-robin over
+2. ask the reflection LM (``rlmix_lm``) to rewrite one component of that node (round-robin over
    the components by how often the node was expanded), from traces of its evaluation;
 3. score the child on the fixed evaluation tasks and add it to the tree; its results now count
    for every ancestor's clade.
@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     configure_evolver,
     evolved_components,
     fenced_text,
@@ -36,7 +35,9 @@ from rlmix.harness import (
     split_pool,
     traces,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -20,10 +20,10 @@ from rlmix_hgm import (
     parse_proposal,
     reflection_prompt,
 )
+from rlmix_lm.chat_server import ScriptedLM
 
 from rlmix import loop
 from rlmix.testing import harness_example_resumes, make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.landscape import (
     deceptive_landscape,
     landscape_plugins,

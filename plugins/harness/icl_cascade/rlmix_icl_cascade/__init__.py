@@ -7,7 +7,7 @@ step it retrieves relevant teacher demonstrations as in-context examples for a c
 On ALFWorld it matches teacher accuracy at 2.5x lower cost.
 
 In rlmix, a wrapper on ``rlmix_generate`` (the rollout engine is the frozen student; the
-teacher is an ``rlmix.lm`` model):
+teacher is an ``rlmix_lm`` model):
 
 1. **retrieval**: the ``k`` banked teacher runs most similar to the task (word Jaccard) are
    inserted before the task as user / assistant turns;
@@ -36,8 +36,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     inside_rendering,
     reflection_lm,
@@ -45,7 +44,9 @@ from rlmix.harness import (
     similarity,
     user_text,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 NAME = "icl_cascade"

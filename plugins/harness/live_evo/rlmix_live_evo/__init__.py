@@ -12,7 +12,7 @@ In rlmix:
    ``weight * exp(relevance * similarity(task, experience task))`` (seeded by ``seed``, ``s``,
    ``i``), and the ``guideline_k`` best guidelines by the same score; they are rendered into the
    harness component ``component`` after its own text, and the env's prompt ``i`` is rebuilt under
-   that harness (``rlmix.harness.prompts_under``). ``Prompt.info["live_evo"]`` records what was
+   that harness (``rlmix_harness.prompts_under``). ``Prompt.info["live_evo"]`` records what was
    shown;
 2. **credit** (``rlmix_evolve``): a prompt's gain is its mean reward minus a baseline (``plain``:
    one greedy rollout of the same prompt without memory; ``ema``: a running mean of the stream's
@@ -38,9 +38,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     feedback_text,
     generate_scored,
@@ -53,7 +51,10 @@ from rlmix.harness import (
     similarity,
     user_text,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run
 
 NAME = "live_evo"

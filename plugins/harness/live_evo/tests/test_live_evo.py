@@ -13,12 +13,12 @@ from collections import Counter
 import pytest
 import rlmix_live_evo as le
 from omegaconf import OmegaConf
+from rlmix_harness import feedback_text
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import checkpoint, cli, loop
-from rlmix.harness import feedback_text
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, harness_words, hint_plugins
 
 EXAMPLE = le.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/live_evo-arith.yaml"

@@ -36,9 +36,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     inside_rendering,
     mean,
@@ -49,7 +47,10 @@ from rlmix.harness import (
     similarity,
     user_text,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.trajectories import tool_call as action_of
 from rlmix.trajectories import walk
 from rlmix.types import HarnessUpdate, Prompt, RolloutBatch, Run, StepResult

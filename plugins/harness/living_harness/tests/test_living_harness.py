@@ -12,11 +12,11 @@ import pytest
 import rlmix_living_harness as lh
 import torch
 from omegaconf import OmegaConf
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import checkpoint, cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.memory_worlds import (
     ScriptedAgentEngine,
     Workflow,

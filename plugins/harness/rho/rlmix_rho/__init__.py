@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmix_harness import reflection_lm, split_pool, task_prompts, user_text, words
+from rlmix_lm import LMSettings
+
 import rlmix
-from rlmix.harness import reflection_lm, split_pool, task_prompts, user_text, words
-from rlmix.lm import LMSettings
 from rlmix.manifest import check_choices
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import rlmix_rho
+from rlmix_harness import task_pool, task_prompts
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix_rho import answer_of, consistency, coreset, parse_candidates, round_robin_winner
 
 from rlmix import loop
 from rlmix.errors import ManifestError
-from rlmix.harness import task_pool, task_prompts
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.demos import GuessingHintModel, LabelFreeHintEnv
 
 ROOT = Path(__file__).resolve().parents[4]

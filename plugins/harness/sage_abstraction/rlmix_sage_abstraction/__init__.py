@@ -30,9 +30,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix import loop
-from rlmix.harness import (
+from rlmix_harness import (
     cut,
     feedback_text,
     inside_rendering,
@@ -42,7 +40,10 @@ from rlmix.harness import (
     rendering,
     user_text,
 )
-from rlmix.lm import LMSettings
+from rlmix_lm import LMSettings
+
+import rlmix
+from rlmix import loop
 from rlmix.trajectories import walk
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 

@@ -11,11 +11,11 @@ import json
 import pytest
 import rlmix_sage_abstraction as sage
 from omegaconf import OmegaConf
+from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import cli, loop
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.memory_worlds import (
     ScriptedAgentEngine,
     Workflow,

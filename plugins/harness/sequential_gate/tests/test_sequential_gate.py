@@ -11,13 +11,13 @@ import random
 
 import pytest
 import rlmix_sequential_gate as sg
+from rlmix_harness import score_tasks, task_pool
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix_sequential_gate import Bettor, SequentialGate, Settings, sequential_test, wealth_path
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import score_tasks, task_pool
 from rlmix.testing import make_run
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HintEnv, HintModel, hint_plugins, hint_reflection
 
 # ---------------------------------------------------------------- the wealth by hand

@@ -9,7 +9,7 @@ the tasks it came from (its retrieval keys). The plugin
   Successes are grouped by their task's *template* (the task text with numbers abstracted). A
   success that reused retrieved workflows credits them (support + 1, its task becomes a key); an
   unaided success of a new template is summarised into a new workflow, by the reflection LM
-  (``inducer: lm``, ``rlmix.lm``) or by a rule (``inducer: rule``: the template and the response
+  (``inducer: lm``, ``rlmix_lm``) or by a rule (``inducer: rule``: the template and the response
   that passed, abstracted). ``offline`` induces once from ``offline_size`` training tasks before
   the first step, ``online`` from every step's rollouts as the stream goes, ``both`` does both.
 * **keeps** the memory small: a new workflow whose text nearly repeats one already there
@@ -18,7 +18,7 @@ the tasks it came from (its retrieval keys). The plugin
 * **retrieves** per prompt: a pluggy wrapper on ``rlmix_prompts`` takes the env's prompts, scores
   every workflow against each prompt's task text (tf-idf cosine; a query word the memory never saw
   counts against the match), and re-renders prompt ``i`` under a harness whose ``component`` holds
-  its ``top_k`` workflows above ``min_similarity`` (``rlmix.harness.prompts_under``). Prompts with
+  its ``top_k`` workflows above ``min_similarity`` (``rlmix_harness.prompts_under``). Prompts with
   the same retrieved set are rendered together.
 
 State lives in ``run.state["workflow_memory"]`` (checkpointed); the memory is also written to
@@ -36,8 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rlmix
-from rlmix.harness import (
+from rlmix_harness import (
     mean,
     metric_values,
     prompts_under,
@@ -47,7 +46,9 @@ from rlmix.harness import (
     task_pool,
     user_text,
 )
-from rlmix.lm import LM, LMSettings
+from rlmix_lm import LM, LMSettings
+
+import rlmix
 from rlmix.types import Prompt, RolloutBatch, Run
 
 NAME = "workflow_memory"

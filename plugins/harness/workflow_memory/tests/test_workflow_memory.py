@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import rlmix_workflow_memory as awm
+from rlmix_harness import generate_scored, mean
+from rlmix_lm.chat_server import ScriptedLM
 from rlmix_workflow_memory import (
     abstract,
     add_workflow,
@@ -27,9 +29,7 @@ from rlmix_workflow_memory import (
 
 import rlmix
 from rlmix import loop
-from rlmix.harness import generate_scored, mean
 from rlmix.testing import make_run, skip_unless_installed
-from rlmix.testing.chat_server import ScriptedLM
 from rlmix.testing.harness import HINTS, HintEnv, HintModel, harness_words
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -250,7 +250,7 @@ def make_lm(run: Run, settings: LMSettings, owner: str = "") -> LM:
     if settings.source == "policy":
         return PolicyLM(run)
     if settings.source == "local":
-        key = f"rlmix.lm.local:{settings.model}"
+        key = f"rlmix_lm.local:{settings.model}"
         if key not in run.resources:
             run.resources[key] = TransformersLM.load(settings.model)
         return run.resources[key]

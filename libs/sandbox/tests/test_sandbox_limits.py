@@ -1,4 +1,4 @@
-"""rlmix.sandbox, each limit measured with a hostile program: the whole run's memory and disk, the
+"""rlmix_sandbox, each limit measured with a hostile program: the whole run's memory and disk, the
 file system view (no host file, package or socket), a timeout the program cannot dodge, and a
 spawn path that is safe with threads."""
 
@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rlmix import sandbox
-from rlmix.sandbox import capabilities, leftover_pids, run_many, run_python
+import rlmix_sandbox as sandbox
+from rlmix_sandbox import capabilities, leftover_pids, run_many, run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
 CAPS = capabilities()
@@ -223,7 +222,7 @@ def test_a_run_dies_with_its_trainer() -> None:
     import subprocess
     trainer = textwrap.dedent("""
         import os, threading, time
-        from rlmix import sandbox
+        import rlmix_sandbox as sandbox
         print(sandbox._uid_base(), flush=True)
         threading.Thread(target=sandbox.run_python, daemon=True,
                          args=("import time\\nwhile True: time.sleep(1)",),

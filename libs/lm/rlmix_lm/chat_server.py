@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from rlmix.lm import TransformersLM
+from rlmix_lm import TransformersLM
 
 
 class ChatServer:
@@ -141,7 +141,7 @@ def _handler(server: ChatServer) -> type[BaseHTTPRequestHandler]:
 
 
 class ScriptedLM:
-    """A test double of ``rlmix.lm.LM``: answers with fixed replies, in order (the last one
+    """A test double of ``rlmix_lm.LM``: answers with fixed replies, in order (the last one
     repeats), or with ``reply(prompt_text)`` when given a function. Records every prompt."""
 
     def __init__(self, replies: list[str] | None = None, reply: Any = None) -> None:

@@ -1,4 +1,4 @@
-"""rlmix.sandbox: hostile programs are contained, get the expected status, leave nothing behind."""
+"""rlmix_sandbox: hostile programs are contained, get the expected status, leave nothing behind."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import sys
 import textwrap
 
 import pytest
-
-from rlmix import sandbox
-from rlmix.sandbox import capabilities, leftover_pids, run_many, run_python
+import rlmix_sandbox as sandbox
+from rlmix_sandbox import capabilities, leftover_pids, run_many, run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox")
 

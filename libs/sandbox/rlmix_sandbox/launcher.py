@@ -1,7 +1,7 @@
 """The first code a sandboxed run executes: it builds the run's containment, then runs the
 program in the same (fresh, single-threaded) interpreter.
 
-:mod:`rlmix.sandbox` starts ``python -I -S -c <this file's text> <config path>`` with
+:mod:`rlmix_sandbox` starts ``python -I -S -c <this file's text> <config path>`` with
 ``subprocess.Popen`` and ``start_new_session=True`` only (no ``preexec_fn``, which Python documents
 as unsafe in a process with threads: the trainer scores from a thread pool). Everything that used
 to happen between ``fork`` and ``exec`` happens here instead, in a process that has one thread and

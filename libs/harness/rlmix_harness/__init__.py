@@ -184,9 +184,9 @@ def feedback_text(info: dict[str, Any], owner: str = "") -> str:
 
 
 def reflection_lm(run: Run, owner: str) -> Any:
-    """Plugin ``owner``'s reflection model (``rlmix.lm``, from its ``lm`` settings block), made
+    """Plugin ``owner``'s reflection model (``rlmix_lm``, from its ``lm`` settings block), made
     once and kept in ``run.resources["<owner>.lm"]`` (where tests put a scripted one)."""
-    from rlmix.lm import make_lm
+    from rlmix_lm import make_lm
 
     key = f"{owner}.lm"
     lm = run.resources.get(key)

@@ -1,7 +1,7 @@
 """The conformance kit as pytest items: ``pytest --rlmix-conformance NAME``.
 
-``rlmix.testing`` (a pytest plugin) adds this file to the paths pytest collects when the option
-is given; each applicable check of ``rlmix.testing.conformance`` becomes one test, named
+``rlmix_conformance.pytest_plugin`` adds this file to the paths pytest collects when the option
+is given; each applicable check of ``rlmix_conformance`` becomes one test, named
 ``test_conformance[NAME:<hook>/<check>]``.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rlmix.testing import conformance
+import rlmix_conformance as conformance
 
 _SUBJECTS: dict[str, conformance.Subject] = {}
 

@@ -1,7 +1,7 @@
-"""A scripted judge: a test double of an ``rlmix.lm`` model that answers with structured verdicts.
+"""A scripted judge: a test double of an ``rlmix_lm`` model that answers with structured verdicts.
 
 Reward plugins that ask a model for a verdict (a flaw flag, a process score and a critique, a
-preference between two candidates) take an ``rlmix.lm`` model; tests put a ``ScriptedJudge``
+preference between two candidates) take an ``rlmix_lm`` model; tests put a ``ScriptedJudge``
 where the plugin looks its model up (``run.resources["<plugin>.lm"]``). The judge reads the
 prompt it is sent and returns ``verdict(prompt_text)``: a dict is sent back as JSON, a string
 as it is (so a test can script malformed replies: prose, truncated JSON, wrong types).
@@ -29,7 +29,7 @@ def prompt_text(prompt: Any) -> str:
 
 
 class ScriptedJudge:
-    """Answers ``complete`` / ``complete_batch`` like an ``rlmix.lm.LM``, with
+    """Answers ``complete`` / ``complete_batch`` like an ``rlmix_lm.LM``, with
     ``verdict(prompt_text)`` serialised as JSON (dicts) or returned raw (strings). Records every
     prompt in ``prompts``; ``calls`` is how many replies it gave."""
 

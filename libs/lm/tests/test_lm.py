@@ -1,4 +1,4 @@
-"""rlmix.lm: the HTTP chat-completions client against a real server on loopback (started here,
+"""rlmix_lm: the HTTP chat-completions client against a real server on loopback (started here,
 serving the tiny model), its retries, timeouts and errors; the local transformers model; the
 policy through the run's rollout engine; and the manifest block."""
 
@@ -8,11 +8,11 @@ import socket
 
 import pytest
 import torch
+from rlmix_lm import HTTPChatLM, LMError, LMSettings, PolicyLM, TransformersLM, make_lm
+from rlmix_lm.chat_server import ChatServer
 
 import rlmix
-from rlmix.lm import HTTPChatLM, LMError, LMSettings, PolicyLM, TransformersLM, make_lm
 from rlmix.testing import make_batch, make_run
-from rlmix.testing.chat_server import ChatServer
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_settings_are_checked():
 
 
 def test_parse_verdict_is_strict_about_keys_and_types():
-    from rlmix.lm import parse_verdict
+    from rlmix_lm import parse_verdict
 
     fields = {"flawed": bool}
     assert parse_verdict('text {"flawed": true} more', fields) == {"flawed": True}

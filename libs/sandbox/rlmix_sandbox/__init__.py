@@ -3,7 +3,7 @@
 ``run_python(code)`` runs one program and returns a :class:`SandboxResult`; ``run_many(jobs)``
 runs many in parallel (a thread pool of launches) and returns their results in order.
 
-How a run starts: ``subprocess.Popen`` of ``python -I -S -c <rlmix.sandbox_launcher>`` with
+How a run starts: ``subprocess.Popen`` of ``python -I -S -c <rlmix_sandbox.launcher>`` with
 ``start_new_session=True`` and nothing run between ``fork`` and ``exec`` (no ``preexec_fn``, which
 is unsafe in a process with threads, and the trainer calls this from a thread pool). The launcher,
 a fresh single-threaded interpreter, builds the containment and then runs the program; its module
@@ -72,7 +72,7 @@ __all__ = ["STATUSES", "SandboxResult", "capabilities", "leftover_pids", "run_ma
 STATUSES = ("ok", "error", "timeout", "oom", "killed", "sandbox_error")
 
 _TRUNCATED = "\n...[truncated]"
-_LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+_LAUNCHER = Path(__file__).with_name("launcher.py")
 _LAUNCHER_FAIL = 125
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 #: the run folder's path inside the run's own view (its cwd, ``HOME`` and ``TMPDIR``)
@@ -444,7 +444,7 @@ def _warn_weak(caps: dict[str, Any]) -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn("rlmix.sandbox runs programs WEAKLY contained on this machine (no private "
+        warnings.warn("rlmix_sandbox runs programs WEAKLY contained on this machine (no private "
                       "file system view / namespaces): " + "; ".join(caps["missing"]),
                       RuntimeWarning, stacklevel=3)
 
