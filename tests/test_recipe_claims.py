@@ -48,8 +48,11 @@ class ZeroAdvantage:
 
 
 def _models_held(run) -> int:
-    """Model copies the run holds besides the policy (critics, references) in resources."""
-    return sum(isinstance(v, torch.nn.Module) for v in run.resources.values())
+    """Model copies the run holds besides the policy (critics, references) in resources,
+    including each plugin's own namespace (``run.plugin_resources(name)``, a dict in there)."""
+    values = list(run.resources.values())
+    values += [v for d in values if isinstance(d, dict) for v in d.values()]
+    return sum(isinstance(v, torch.nn.Module) for v in values)
 
 
 def test_loop_keeps_one_model_copy_and_learns_without_a_critic():
