@@ -131,13 +131,12 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
                                     for n in unusable))
 
     loaded: dict[str, LoadedPlugin] = {}
+    by_family: dict[str, list[str]] = {}
     for name in names:
         if name in extra:
             obj = extra[name]
             loaded[name] = LoadedPlugin(name, "inline", obj, settings_class(obj), "inline", "")
-    by_family: dict[str, list[str]] = {}
-    for name in names:
-        if name not in extra:
+        else:
             by_family.setdefault(known[name].family, []).append(name)
 
     for family, members in by_family.items():
