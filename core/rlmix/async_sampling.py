@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -161,11 +160,10 @@ class AsyncSampler:
                 f"{updates_per_step(run)} times per step")
         return batch
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Hold the worker between generation calls (for a consistent checkpoint)."""
-        with self._pause_lock:
-            yield
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Hold the worker between generation calls (for a consistent checkpoint): ``with``
+        it, the worker's lock is held."""
+        return self._pause_lock
 
     # ------------------------------------------------------------------ worker side
 
@@ -181,8 +179,7 @@ class AsyncSampler:
         run = self.run
         with self._cond:
             needed = self._wanted_version
-        got = self.weights_lock.acquire(blocking=self.version < needed)
-        if not got:
+        if not self.weights_lock.acquire(blocking=self.version < needed):
             return
         try:
             if run.policy_version == self.version and self.stats["weight_syncs"]:
@@ -257,9 +254,8 @@ def start(run: Run, max_staleness: int | None = None) -> AsyncSampler:
     """Attach and start a worker for ``run`` (``train`` does this when ``max_staleness > 0``;
     tests may start one with ``max_staleness=0``: a worker in lock-step with the trainer)."""
     k = int(run.config.train.max_staleness) if max_staleness is None else int(max_staleness)
-    sampler = AsyncSampler(run, k)
-    run.async_sampler = sampler
-    return sampler.start()
+    run.async_sampler = AsyncSampler(run, k)
+    return run.async_sampler.start()
 
 
 def stop(run: Run) -> None:

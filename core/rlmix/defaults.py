@@ -21,7 +21,7 @@ from rlmix import plugins as _plugins
 from rlmix.errors import ConfigError
 from rlmix.hookspecs import hookimpl
 from rlmix.policy import plain_token_logprobs
-from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch, Run
+from rlmix.types import LossTerms, Prompt, RolloutBatch, Run
 
 NAME = "rlmix.defaults"
 
@@ -102,14 +102,10 @@ class StepInBackward:
 
 @hookimpl(trylast=True)
 def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
-    s = run.config.sampling
-    request = GenerationRequest(prompts=prompts, n=int(run.config.train.group_size),
-                                temperature=float(s.temperature), top_p=float(s.top_p),
-                                top_k=int(s.top_k), max_new_tokens=int(s.max_new_tokens))
-    batch = run.hook.rlmix_generate(run=run, request=request)
-    if batch is None:
-        raise RuntimeError("no plugin returned a batch from rlmix_generate")
-    return batch
+    s = run.config.sampling  # through rlmix_generate, as Run.generate does
+    return run.generate(prompts, n=int(run.config.train.group_size),
+                        temperature=float(s.temperature), top_p=float(s.top_p),
+                        top_k=int(s.top_k), max_new_tokens=int(s.max_new_tokens))
 
 
 def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -242,10 +242,8 @@ def scorer_terms(run: Run, batch: RolloutBatch, plugin: str) -> dict[str, torch.
     in ``batch.reward_terms``, so ``score`` does not call that scorer again. For a scorer that
     needs another's term (``step_grpo`` reads ``arith.correct``). ``{}`` if ``plugin`` is not
     a loaded scorer or returned nothing."""
-    for impl in _scorers(run):
-        if impl.plugin_name == plugin:
-            return _score_with(run, batch, impl)
-    return {}
+    impl = next((i for i in _scorers(run) if i.plugin_name == plugin), None)
+    return {} if impl is None else _score_with(run, batch, impl)
 
 
 def _check_weighted_terms(run: Run, weights: dict[str, float],
@@ -331,8 +329,7 @@ def evaluate(run: Run) -> dict[str, float]:
     try:
         with torch.no_grad():
             for result in run.pm.hook.rlmix_evaluate(run=run):
-                for k, v in (result or {}).items():
-                    metrics[f"eval/{k}"] = float(v)
+                metrics.update({f"eval/{k}": float(v) for k, v in (result or {}).items()})
     finally:
         run.policy.model.train(was_training)
     return metrics

@@ -291,12 +291,11 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
         text = str(exc)
         head, sep, rest = text.partition(":")
         names = {f.name for f in dataclasses.fields(cls)}
-        path = prefix
-        first = (text.split() or [""])[0].strip(":,")
         if sep and head.strip() in names:
-            path, text = f"{prefix}.{head.strip()}" if prefix else head.strip(), rest.strip()
-        elif first in names:  # "eps_high (0.1) must be >= eps_low": names its field first
-            path = f"{prefix}.{first}" if prefix else first
+            name, text = head.strip(), rest.strip()
+        else:  # "eps_high (0.1) must be >= eps_low": names its field first
+            name = (text.split() or [""])[0].strip(":,")
+        path = (f"{prefix}.{name}" if prefix else name) if name in names else prefix
         raise ManifestError(f"manifest error at '{path}' (plugin '{owner}'): {text}") from None
 
 
@@ -310,8 +309,7 @@ def _shown(value: Any) -> str:
 def _check_mappings(cls: type, block: Any, prefix: str, who: str) -> None:
     """A nested section (``train``, ``sampling``, a dict-typed field) given as a scalar or a
     list is named here; OmegaConf's own error for it carries no key."""
-    hints = _field_types(cls)
-    for name, hint in hints.items():
+    for name, hint in _field_types(cls).items():
         if name not in block:
             continue
         value = block[name]
@@ -422,8 +420,7 @@ def validate_plugin_blocks(cfg: DictConfig, plugins: list[Any],
 
 def resolved(cfg: DictConfig, core: CoreConfig, settings: dict[str, Any]) -> DictConfig:
     """The fully resolved manifest: core defaults and every plugin's defaults filled in."""
-    out = OmegaConf.structured(core)
-    out = OmegaConf.create(OmegaConf.to_container(out))
+    out = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(core)))
     for name, value in settings.items():
         OmegaConf.update(out, name, OmegaConf.to_container(OmegaConf.structured(value)),
                          force_add=True)
