@@ -22,9 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "core" / "rlmix"
 #: the kernel: loop, hookspecs, manifest, plugins, types, ops, policy, defaults, checkpoint,
-#: observe, cli, async sampling, plus the package's __init__, __main__ and errors
+#: observe, cli, async sampling, plus the package's __init__, __main__ and errors, and the
+#: sampler's weight copy (``sampler_weights``: built in ``loop.prepare_model`` on every run)
 KERNEL = ("__init__", "__main__", "errors", "loop", "hookspecs", "manifest", "plugins", "types",
-          "ops", "policy", "defaults", "checkpoint", "observe", "cli", "async_sampling")
+          "ops", "policy", "defaults", "checkpoint", "observe", "cli", "async_sampling",
+          "sampler_weights")
 
 
 def _docstring_lines(tree: ast.AST) -> set[int]:

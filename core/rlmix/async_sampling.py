@@ -42,16 +42,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlmix import sampler_weights
-from rlmix.sampler_weights import SamplerWeights
-from rlmix.types import Prompt, RolloutBatch, Run
+from rlmix.types import RolloutBatch, Run
 
 THREAD_NAME = "rlmix-async-sampler"
 _POLL_S = 0.05
@@ -65,15 +61,6 @@ class _Stopped(BaseException):
     """Raised inside the worker's model forward to abandon a generation call on shutdown."""
 
 
-@dataclass
-class _Item:
-    step: int
-    prompts: list[Prompt]
-    batch: RolloutBatch
-    version: int  # the worker's weights version when the call started
-    sample_s: float
-
-
 def updates_per_step(run: Run) -> int:
     """Optimizer steps (policy-version bumps) one training step makes with the default update."""
     train = run.config.train
@@ -82,26 +69,24 @@ def updates_per_step(run: Run) -> int:
 
 class AsyncSampler:
     """Samples the batches of steps ``run.step, run.step + 1, ...`` in a background thread, at
-    most ``max_staleness`` policy versions ahead of the trainer. Use ``start`` / ``close`` (or
-    ``with``); the trainer calls ``take(run)`` once per step and wraps every ``rlmix_update`` in
+    most ``max_staleness`` policy versions ahead of the trainer. Use ``start`` / ``close``; the
+    trainer calls ``take(run)`` once per step and wraps every ``rlmix_update`` in
     ``weights_lock``."""
 
-    def __init__(self, run: Run, max_staleness: int, last_step: int | None = None) -> None:
-        if run.policy is None:
-            raise RuntimeError("async sampling needs a loaded policy")
-        if max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
+    def __init__(self, run: Run, max_staleness: int) -> None:
+        assert run.policy is not None, "async sampling needs a loaded policy"
         self.run = run
         self.max_staleness = int(max_staleness)
         self.lead = self.max_staleness // updates_per_step(run)  # steps the worker may run ahead
-        self.last_step = int(run.config.train.steps) if last_step is None else int(last_step)
+        self.last_step = int(run.config.train.steps)
         self.weights_lock = threading.RLock()
         # held by the worker during a generation call; re-entrant, because a wrapper on
         # rlmix_prompts running in the worker (routing, retrieval) renders prompts under other
         # harnesses through rlmix_harness.prompts_under, which pauses the sampler again
         self._pause_lock = threading.RLock()
         self._cond = threading.Condition()
-        self._buffer: dict[int, _Item] = {}
+        # step -> (batch, the worker's weights version when its generation call started)
+        self._buffer: dict[int, tuple[RolloutBatch, int]] = {}
         self._next_step = run.step  # the next step the worker samples
         self._wanted = run.step  # the step the trainer asked for last
         self._wanted_version = run.policy_version  # the trainer's version when it asked
@@ -109,19 +94,18 @@ class AsyncSampler:
         self._error: BaseException | None = None
         self._error_step = -1
         self._thread: threading.Thread | None = None
-        policy = copy.copy(run.policy)
         # the worker's weights: the run's sampler copy (rlmix_sampler_weights: a low-precision
         # one) when a plugin gave one, else the fp32 copy taken before rlmix_prepare_model (from
         # the full model) when the loop took one, else a copy taken now
         early = run.resources.pop(EARLY_COPY, None)
-        weights = run.sampler_weights or early or SamplerWeights(run.policy.model)
-        self.weights = weights
-        policy.model = weights.model
-        policy.tokenizer = copy.deepcopy(run.policy.tokenizer)
-        self.policy = policy
+        self.weights = (run.sampler_weights or early
+                        or sampler_weights.SamplerWeights(run.policy.model))
+        self.policy = copy.copy(run.policy)
+        self.policy.model = self.weights.model
+        self.policy.tokenizer = copy.deepcopy(run.policy.tokenizer)
         self.version = run.policy_version
-        self._hook = policy.model.register_forward_pre_hook(self._check_stop)
-        self.stats = {"weight_syncs": 0, "wait_s": 0.0}
+        self._hook = self.policy.model.register_forward_pre_hook(self._check_stop)
+        self.stats = {"weight_syncs": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,23 +126,16 @@ class AsyncSampler:
         self._hook.remove()
         self._buffer.clear()
 
-    def __enter__(self) -> AsyncSampler:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ trainer side
 
-    def take(self, run: Run) -> tuple[list[Prompt], RolloutBatch]:
-        """The prompts and batch of step ``run.step``: waits for the worker, re-raises its
-        failure, and checks the staleness bound."""
+    def take(self, run: Run) -> RolloutBatch:
+        """The batch of step ``run.step``: waits for the worker, re-raises its failure, and
+        checks the staleness bound."""
         step = run.step
-        start = time.perf_counter()
         with self._cond:
             self._wanted, self._wanted_version = step, run.policy_version
             self._cond.notify_all()
@@ -170,25 +147,23 @@ class AsyncSampler:
                 if self._thread is None or not self._thread.is_alive():
                     raise AsyncSamplingError(f"the async sampler stopped before step {step}")
                 self._cond.wait(_POLL_S)
-            item = self._buffer.pop(step)
+            batch, version = self._buffer.pop(step)
             self._cond.notify_all()
-        self.stats["wait_s"] += time.perf_counter() - start
         # the invariant: the weights that started this batch's generation call are at most
         # max_staleness versions old (carried-over partial segments are older by design)
-        stale = run.policy_version - item.version
+        stale = run.policy_version - version
         if stale > self.max_staleness:
             raise AsyncSamplingError(
                 f"step {step}: the batch was sampled with weights {stale} policy versions old, "
                 f"over train.max_staleness={self.max_staleness}; the update owner bumped "
                 f"policy_version more than train.epochs * train.updates_per_epoch = "
                 f"{updates_per_step(run)} times per step")
-        return item.prompts, item.batch
+        return batch
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Hold the worker between generation calls (for a consistent checkpoint)."""
-        with self._pause_lock:
-            yield
+    def paused(self) -> contextlib.AbstractContextManager:
+        """Hold the worker between generation calls (for a consistent checkpoint): ``with``
+        it, the worker's lock is held."""
+        return self._pause_lock
 
     # ------------------------------------------------------------------ worker side
 
@@ -204,13 +179,11 @@ class AsyncSampler:
         run = self.run
         with self._cond:
             needed = self._wanted_version
-        got = self.weights_lock.acquire(blocking=self.version < needed)
-        if not got:
+        if not self.weights_lock.acquire(blocking=self.version < needed):
             return
         try:
             if run.policy_version == self.version and self.stats["weight_syncs"]:
                 return
-            assert run.policy is not None
             sampler_weights.refresh(run, self.weights)  # logs time/sampler_refresh_s
             self.version = run.policy_version
             self.stats["weight_syncs"] += 1
@@ -247,16 +220,14 @@ class AsyncSampler:
                     if self._stop.is_set():
                         break
                     self._refresh()
-                    t0 = time.perf_counter()
                     view = self.view(step)
                     prompts = view.hook.rlmix_prompts(run=view, step=step)
                     if not prompts:
                         raise RuntimeError("rlmix_prompts returned no prompts")
                     with torch.no_grad():
                         batch = view.sample(prompts)
-                    item = _Item(step, prompts, batch, self.version, time.perf_counter() - t0)
                 with self._cond:
-                    self._buffer[step] = item
+                    self._buffer[step] = (batch, self.version)
                     self._cond.notify_all()
                 step += 1
                 self._next_step = step
@@ -276,16 +247,15 @@ def take_model_copy(run: Run) -> None:
     it in ``rlmix_prepare_model`` (a ZeRO-3 model's parameters are empty shards); the sampler
     built by ``start`` uses this copy."""
     assert run.policy is not None
-    run.resources[EARLY_COPY] = SamplerWeights(run.policy.model)
+    run.resources[EARLY_COPY] = sampler_weights.SamplerWeights(run.policy.model)
 
 
 def start(run: Run, max_staleness: int | None = None) -> AsyncSampler:
     """Attach and start a worker for ``run`` (``train`` does this when ``max_staleness > 0``;
     tests may start one with ``max_staleness=0``: a worker in lock-step with the trainer)."""
     k = int(run.config.train.max_staleness) if max_staleness is None else int(max_staleness)
-    sampler = AsyncSampler(run, k)
-    run.async_sampler = sampler
-    return sampler.start()
+    run.async_sampler = AsyncSampler(run, k)
+    return run.async_sampler.start()
 
 
 def stop(run: Run) -> None:

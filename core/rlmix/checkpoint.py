@@ -164,8 +164,12 @@ class CheckpointPlugin:
 
     @hookimpl(trylast=True)
     def rlmix_step_end(self, run: Run, metrics: dict[str, Any]) -> None:
-        train = run.config.train
-        every = int(train.checkpoint_every)
-        final = run.step >= int(train.steps)
-        if final or (every > 0 and run.step % every == 0):
-            save(run, keep=int(train.keep_checkpoints))
+        if due(run):
+            save(run, keep=int(run.config.train.keep_checkpoints))
+
+
+def due(run: Run) -> bool:
+    """Whether the checkpointer saves at this step: every ``train.checkpoint_every`` steps
+    (0: never) and at the last one."""
+    every = int(run.config.train.checkpoint_every)
+    return run.step >= int(run.config.train.steps) or (every > 0 and run.step % every == 0)

@@ -95,29 +95,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     failures = 0
     for info in sorted(found.values(), key=lambda i: (i.family, i.name)):
         if info.problem:  # not imported: made for another core
-            rows.append((info.family.removeprefix("rlmix."), info.name,
-                         f"{info.distribution} {info.version}", "-",
-                         f"INCOMPATIBLE: {info.problem}"))
+            hooks, desc = "-", f"INCOMPATIBLE: {info.problem}"
             failures += 1
-            continue
-        try:
-            obj = md.EntryPoint(name=info.name, value=info.value, group=info.family).load()
-            hooks = ", ".join(h.removeprefix("rlmix_") for h in plugins.hooks_of(obj))
-            desc = plugins.describe(obj)
-        except Exception as exc:  # noqa: BLE001 - report, do not crash the listing
-            hooks, desc = "-", f"IMPORT FAILED: {type(exc).__name__}: {exc}"
-            failures += 1
+        else:
+            try:
+                obj = md.EntryPoint(name=info.name, value=info.value, group=info.family).load()
+                hooks = ", ".join(h.removeprefix("rlmix_") for h in plugins.hooks_of(obj))
+                desc = plugins.describe(obj)
+            except Exception as exc:  # noqa: BLE001 - report, do not crash the listing
+                hooks, desc = "-", f"IMPORT FAILED: {type(exc).__name__}: {exc}"
+                failures += 1
         rows.append((info.family.removeprefix("rlmix."), info.name,
                      f"{info.distribution} {info.version}", hooks, desc))
+    columns = ("family", "name", "distribution", "hooks", "description")
     if args.json:
-        print(json.dumps([dict(zip(("family", "name", "distribution", "hooks", "description"),
-                                   r)) for r in rows], indent=1))
+        print(json.dumps([dict(zip(columns, r)) for r in rows], indent=1))
         return 1 if failures else 0
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="installed rlmix plugins")
-    for col in ("family", "name", "distribution", "hooks", "description"):
+    for col in columns:
         table.add_column(col)
     for r in rows:
         table.add_row(*r)

@@ -21,7 +21,7 @@ from rlmix import plugins as _plugins
 from rlmix.errors import ConfigError
 from rlmix.hookspecs import hookimpl
 from rlmix.policy import plain_token_logprobs
-from rlmix.types import GenerationRequest, LossTerms, Prompt, RolloutBatch, Run
+from rlmix.types import LossTerms, Prompt, RolloutBatch, Run
 
 NAME = "rlmix.defaults"
 
@@ -46,8 +46,7 @@ def rlmix_configure(run: Run) -> None:
                               betas=(float(train.adam_beta1), float(train.adam_beta2)),
                               weight_decay=float(train.weight_decay))
         run.state.setdefault(NAME, {"skipped_steps": 0, "optimizer_steps": 0})
-        if bool(train.optimizer_in_backward):
-            _check_in_backward(run)
+        if bool(train.optimizer_in_backward):  # the manifest checked it can be honoured
             run.plugin_resources(NAME)[IN_BACKWARD] = StepInBackward(run.optimizer, params)
     elif bool(run.config.train.optimizer_in_backward) and owner != NAME:
         raise ConfigError(f"train.optimizer_in_backward is a mode of the core's default "
@@ -57,26 +56,13 @@ def rlmix_configure(run: Run) -> None:
 IN_BACKWARD = "in_backward"  # run.plugin_resources("rlmix.defaults")
 
 
-def _check_in_backward(run: Run) -> None:
-    train = run.config.train
-    if float(train.max_grad_norm) > 0:
-        raise ConfigError(
-            "train.optimizer_in_backward steps each parameter before the global gradient norm "
-            "is known, so it cannot clip by it: set train.max_grad_norm: 0 to use it "
-            f"(it is {train.max_grad_norm})")
-    if int(train.grad_accum) > 1:
-        raise ConfigError(
-            "train.optimizer_in_backward steps each parameter in its backward, so gradients "
-            f"cannot be accumulated over chunks: set train.grad_accum: 1 (it is "
-            f"{train.grad_accum})")
-
-
 class StepInBackward:
     """AdamW applied to each parameter inside the backward, the moment its gradient has been
     accumulated, after which the gradient is freed: the full set of gradients (one more copy of
     the weights) never exists at once. Without clipping and with one backward per update this
     is the same update as stepping after the backward (AdamW is per element), hence the
-    restrictions checked in ``_check_in_backward``.
+    restrictions ``manifest.validate_core`` checks (``train.max_grad_norm: 0``,
+    ``train.grad_accum: 1``).
 
     One optimizer over all parameters is kept (its ``state_dict`` is what checkpoints save, as
     in the usual mode); calling its ``step`` while exactly one parameter holds a gradient
@@ -116,14 +102,10 @@ class StepInBackward:
 
 @hookimpl(trylast=True)
 def rlmix_sample(run: Run, prompts: list[Prompt]) -> RolloutBatch:
-    s = run.config.sampling
-    request = GenerationRequest(prompts=prompts, n=int(run.config.train.group_size),
-                                temperature=float(s.temperature), top_p=float(s.top_p),
-                                top_k=int(s.top_k), max_new_tokens=int(s.max_new_tokens))
-    batch = run.hook.rlmix_generate(run=run, request=request)
-    if batch is None:
-        raise RuntimeError("no plugin returned a batch from rlmix_generate")
-    return batch
+    s = run.config.sampling  # through rlmix_generate, as Run.generate does
+    return run.generate(prompts, n=int(run.config.train.group_size),
+                        temperature=float(s.temperature), top_p=float(s.top_p),
+                        top_k=int(s.top_k), max_new_tokens=int(s.max_new_tokens))
 
 
 def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -184,25 +166,23 @@ def rlmix_update(run: Run, loss: LossTerms) -> dict[str, Any]:
         value.backward()
     else:
         state["pending_bad"] = True  # poison the whole accumulated update
-    stats: dict[str, Any] = {}
     mb = loss.minibatch
-    if mb is None or mb.last:
-        params = [p for g in run.optimizer.param_groups for p in g["params"]]
-        max_norm = float(run.config.train.max_grad_norm)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, max_norm if max_norm > 0 else math.inf, error_if_nonfinite=False)
-        bad = state.pop("pending_bad", False) or not bool(torch.isfinite(grad_norm))
-        if bad:
-            # leave the weights untouched: drop the gradients, do not step
-            stats.update(_skipped(run, state, "non-finite loss or gradient"))
-        else:
-            lr = _lr_at(run)
-            _set_lr(run.optimizer, lr)
-            run.optimizer.step()
-            stats.update(_stepped(run, state, lr))
-        run.optimizer.zero_grad(set_to_none=True)
-        stats["update/grad_norm"] = float(grad_norm)
-    return stats
+    if mb is not None and not mb.last:
+        return {}  # the optimizer steps after the update's last chunk
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
+    max_norm = float(run.config.train.max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        params, max_norm if max_norm > 0 else math.inf, error_if_nonfinite=False)
+    if state.pop("pending_bad", False) or not bool(torch.isfinite(grad_norm)):
+        # leave the weights untouched: drop the gradients, do not step
+        stats = _skipped(run, state, "non-finite loss or gradient")
+    else:
+        lr = _lr_at(run)
+        _set_lr(run.optimizer, lr)
+        run.optimizer.step()
+        stats = _stepped(run, state, lr)
+    run.optimizer.zero_grad(set_to_none=True)
+    return {**stats, "update/grad_norm": float(grad_norm)}
 
 
 def _update_in_backward(run: Run, stepper: StepInBackward, value: torch.Tensor, finite: bool,

@@ -57,6 +57,5 @@ def one_line(exc: BaseException) -> str:
     detail = text if isinstance(exc, RlmixError) else f"{type(exc).__name__}: {text}"
     where = origin(exc)
     prefix = f"plugin '{where[0]}' failed in {where[1]}: " if where is not None else ""
-    if prefix and detail.startswith(prefix):
-        return detail
-    return prefix + detail
+    # a message that already names the plugin and hook is not prefixed twice
+    return detail if detail.startswith(prefix) else prefix + detail

@@ -55,21 +55,6 @@ REQUIRED_HOOKS: dict[str, str] = {
     "rlmix_clip": "an algorithm plugin (family rlmix.algorithms)",
 }
 
-#: Hooks with a single owner (pluggy ``firstresult``).
-FIRSTRESULT_HOOKS = (
-    "rlmix_prompts",
-    "rlmix_sample",
-    "rlmix_generate",
-    "rlmix_advantage",
-    "rlmix_clip",
-    "rlmix_update",
-    "rlmix_token_logprobs",
-    "rlmix_episode",
-    "rlmix_completion_logits",
-    "rlmix_sampler_weights",
-)
-
-
 @hookspec
 def rlmix_configure(run: Run) -> None:
     """Read this plugin's settings, check them, allocate what it needs.
@@ -325,3 +310,8 @@ def rlmix_sampler_weights(run: Run, master: Any) -> Any | None:
     Evaluation and the training forward keep the master. ``None`` (no plugin): the synchronous
     loop samples with the master itself, the async worker with an fp32 copy.
     """
+
+
+#: Hooks with a single owner (pluggy ``firstresult``), read from their specifications above.
+FIRSTRESULT_HOOKS = tuple(name for name, spec in globals().items()
+                          if name.startswith("rlmix_") and spec.rlmix_spec["firstresult"])

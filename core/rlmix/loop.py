@@ -130,11 +130,11 @@ def build_run(cfg: DictConfig, extra_plugins: dict[str, Any] | None = None,
         last = checkpoint.latest(root)
         if last is None and runfolder.secondary_rank():
             raise ManifestError(f"--resume: no checkpoint in {root}")
-        if last is None:  # killed before its first checkpoint: start again, nothing kept
-            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, -1)
-        else:
+        if last is not None:
             checkpoint.restore(run, last)
-            observe.truncate_metrics(run.out_dir / observe.METRICS_FILE, run.step)
+        # killed before its first checkpoint (no last): start again, nothing kept
+        observe.truncate_metrics(run.out_dir / observe.METRICS_FILE,
+                                 -1 if last is None else run.step)
     prepare_model(run)
     return run
 
@@ -189,9 +189,8 @@ def score(run: Run, batch: RolloutBatch) -> None:
     sample wrapper scored this candidate batch and handed it on, a scorer read another's term
     through ``scorer_terms``) is not called again, and each scorer's terms are written to
     ``batch.reward_terms`` as it returns, so a later scorer can read an earlier one's."""
-    weights = _flatten(OmegaConf.to_container(run.config.score.weights) or {})
-    n = len(batch)
-    total = torch.zeros(n)
+    weights = score_weights(run)
+    total = torch.zeros(len(batch))
     # called one by one (manifest order) so each term can be prefixed with its plugin's name;
     # rlmix_score is an all-hook, so there is no owner for a wrapper to wrap
     terms: dict[str, torch.Tensor] = {}
@@ -226,16 +225,13 @@ def _score_with(run: Run, batch: RolloutBatch, impl: Any) -> dict[str, torch.Ten
     present = {k: v for k, v in batch.reward_terms.items() if _term_owner(k, names) == plugin}
     if present:
         return present
-    result = impl.function(run=run, batch=batch)
-    n = len(batch)
     out: dict[str, torch.Tensor] = {}
-    for term, value in (result or {}).items():
-        name = f"{plugin}.{term}"
+    for term, value in (impl.function(run=run, batch=batch) or {}).items():
         value = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
-        if value.shape[0] != n:
+        if value.shape[0] != len(batch):
             raise RuntimeError(f"plugin '{plugin}' returned reward term '{term}' "
-                               f"with {value.shape[0]} values for {n} samples")
-        out[name] = value
+                               f"with {value.shape[0]} values for {len(batch)} samples")
+        out[f"{plugin}.{term}"] = value
     batch.reward_terms.update(out)
     return out
 
@@ -246,10 +242,8 @@ def scorer_terms(run: Run, batch: RolloutBatch, plugin: str) -> dict[str, torch.
     in ``batch.reward_terms``, so ``score`` does not call that scorer again. For a scorer that
     needs another's term (``step_grpo`` reads ``arith.correct``). ``{}`` if ``plugin`` is not
     a loaded scorer or returned nothing."""
-    for impl in _scorers(run):
-        if impl.plugin_name == plugin:
-            return _score_with(run, batch, impl)
-    return {}
+    impl = next((i for i in _scorers(run) if i.plugin_name == plugin), None)
+    return {} if impl is None else _score_with(run, batch, impl)
 
 
 def _check_weighted_terms(run: Run, weights: dict[str, float],
@@ -279,17 +273,19 @@ def _check_weighted_terms(run: Run, weights: dict[str, float],
 def nonfinite_terms(batch: RolloutBatch, weights: dict[str, float]) -> dict[str, int]:
     """``{plugin.term: count}`` of non-finite reward values in the terms that count (weight
     not 0)."""
-    bad = {}
-    for name, value in batch.reward_terms.items():
-        count = int((~torch.isfinite(value)).sum())
-        if count and float(weights.get(name, 1.0)) != 0:
-            bad[name] = count
-    return bad
+    counts = {name: int((~torch.isfinite(value)).sum())
+              for name, value in batch.reward_terms.items() if float(weights.get(name, 1.0)) != 0}
+    return {name: count for name, count in counts.items() if count}
 
 
 def _finite_mean(value: torch.Tensor) -> float:
     ok = torch.isfinite(value)
     return float(value[ok].mean()) if bool(ok.any()) else float("nan")
+
+
+def score_weights(run: Run) -> dict[str, float]:
+    """``score.weights`` as ``{"plugin.term": weight}``."""
+    return _flatten(OmegaConf.to_container(run.config.score.weights) or {})
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -313,9 +309,14 @@ def apply_harness_update(run: Run, update: HarnessUpdate) -> None:
               "evidence": update.evidence, "components": dict(run.harness)}
     import json
 
-    path = folder / f"v{run.harness_version:04d}.json"
-    tmp = path.with_suffix(".json.tmp")  # written whole, then renamed: a crash leaves no half file
-    tmp.write_text(json.dumps(record, indent=1))
+    _write_whole(folder / f"v{run.harness_version:04d}.json", json.dumps(record, indent=1))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a ``.tmp`` file beside it, renamed over it): a crash
+    leaves no half file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
     tmp.replace(path)
 
 
@@ -328,8 +329,7 @@ def evaluate(run: Run) -> dict[str, float]:
     try:
         with torch.no_grad():
             for result in run.pm.hook.rlmix_evaluate(run=run):
-                for k, v in (result or {}).items():
-                    metrics[f"eval/{k}"] = float(v)
+                metrics.update({f"eval/{k}": float(v) for k, v in (result or {}).items()})
     finally:
         run.policy.model.train(was_training)
     return metrics
@@ -353,8 +353,7 @@ def train_step(run: Run) -> dict[str, Any]:
     # a non-finite reward (NaN, inf) skips the step: no advantage, update or evolution (one
     # bad value would poison the group statistics and the loss); the step still counts, so a
     # scorer that keeps failing cannot stall the run, and the metrics line says what happened
-    bad = nonfinite_terms(batch, _flatten(OmegaConf.to_container(run.config.score.weights)
-                                          or {}))
+    bad = nonfinite_terms(batch, score_weights(run))
     if bad:
         _skip_nonfinite(run, bad, len(batch))
     # harness-only: no advantage, no log-prob forward, no backward; the step only evolves
@@ -391,8 +390,7 @@ def train_step(run: Run) -> dict[str, Any]:
     t_train = time.perf_counter()
     evolve_now = (run.step + 1) % max(1, int(run.config.train.evolve_every)) == 0 and not bad
     # the async worker renders prompts from run.harness: it waits while harnesses evolve
-    sampler = run.async_sampler
-    with sampler.paused() if (evolve_now and sampler is not None) else contextlib.nullcontext():
+    with _paused(run, evolve_now):
         for update in (hook.rlmix_evolve(run=run, batch=batch) if evolve_now else []):
             if update is not None:
                 apply_harness_update(run, update)
@@ -447,15 +445,11 @@ def log_owner_table(run: Run) -> str:
     return table
 
 
-def _checkpoint_pause(run: Run) -> Any:
-    """On a step the core checkpointer saves, hold the async worker between generation calls
-    so the plugin state it touches is pickled consistently; otherwise nothing."""
+def _paused(run: Run, when: bool) -> Any:
+    """Hold the async worker between generation calls when ``when`` (harnesses evolve, or the
+    core checkpointer saves: the plugin state it touches is then pickled consistently)."""
     sampler = run.async_sampler
-    every = int(run.config.train.checkpoint_every)
-    saving = run.step >= int(run.config.train.steps) or (every > 0 and run.step % every == 0)
-    if sampler is None or not saving:
-        return contextlib.nullcontext()
-    return sampler.paused()
+    return sampler.paused() if when and sampler is not None else contextlib.nullcontext()
 
 
 def train(run: Run) -> dict[str, Any]:
@@ -464,18 +458,12 @@ def train(run: Run) -> dict[str, Any]:
     lock = runfolder.acquire(run.out_dir)  # re-entrant: build_run may hold it already
     try:
         checkpoint.clean(checkpoint.checkpoint_root(run))
-        _write_manifest(run)
+        # whole or not at all: a resume compares with it
+        _write_whole(run.out_dir / runfolder.MANIFEST_FILE, OmegaConf.to_yaml(run.config))
         log_owner_table(run)
         return _train(run)
     finally:
         runfolder.release(lock)
-
-
-def _write_manifest(run: Run) -> None:
-    path = run.out_dir / runfolder.MANIFEST_FILE
-    tmp = path.with_suffix(".yaml.tmp")  # whole or not at all: a resume compares with it
-    tmp.write_text(OmegaConf.to_yaml(run.config))
-    tmp.replace(path)
 
 
 def _train(run: Run) -> dict[str, Any]:
@@ -497,7 +485,7 @@ def _train(run: Run) -> dict[str, Any]:
             if run.step == steps or (eval_every > 0 and run.step % eval_every == 0):
                 metrics.update(evaluate(run))
             metrics.update(run.drain_metrics())  # what plugins logged during evaluation
-            with _checkpoint_pause(run):
+            with _paused(run, checkpoint.due(run)):
                 run.hook.rlmix_step_end(run=run, metrics=metrics)
             last = metrics
     finally:

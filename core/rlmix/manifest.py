@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,24 +34,18 @@ class Range:
     lt: float | None = None
     why: str = ""
 
-    def allowed(self) -> str:
-        parts = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le),
-                                              ("<", self.lt)) if b is not None]
-        return "must be " + " and ".join(parts)
-
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is out of range (None when it is in range, or not a number)."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
-        bad = ((self.ge is not None and not value >= self.ge)
-               or (self.gt is not None and not value > self.gt)
-               or (self.le is not None and not value <= self.le)
-               or (self.lt is not None and not value < self.lt)
-               or value != value)  # NaN
-        if not bad:
+        bounds = [(op, bound, test) for op, bound, test in (
+            (">=", self.ge, operator.ge), (">", self.gt, operator.gt),
+            ("<=", self.le, operator.le), ("<", self.lt, operator.lt)) if bound is not None]
+        if value == value and all(test(value, bound) for _, bound, test in bounds):  # not NaN
             return None
-        return f"{value!r} is not allowed; {self.allowed()}" + (f" ({self.why})" if self.why
-                                                                  else "")
+        allowed = " and ".join(f"{op} {bound:g}" for op, bound, _ in bounds)
+        return f"{value!r} is not allowed; must be {allowed}" + (f" ({self.why})" if self.why
+                                                                   else "")
 
 
 def setting(default: Any, *, ge: float | None = None, gt: float | None = None,
@@ -254,43 +249,34 @@ def _field_types(cls: type) -> dict[str, Any]:
 def _structured_error(exc: OmegaConfBaseException, prefix: str, cls: type,
                       owner: str) -> ManifestError:
     key = str(getattr(exc, "full_key", None) or getattr(exc, "key", None) or "")
-    path = f"{prefix}.{key}" if prefix and key else (prefix or str(key))
+    path = f"{prefix}.{key}" if prefix and key else (prefix or key)
     who = f" (plugin '{owner}')" if owner else ""
-    if isinstance(exc, ConfigKeyError):
-        # walk to the dataclass that owns the unknown key to list its fields
-        parent = cls
-        for part in str(key).split(".")[:-1]:
-            hint = _field_types(parent).get(part)
-            if dataclasses.is_dataclass(hint):
-                parent = hint
-        allowed = ", ".join(f.name for f in dataclasses.fields(parent))
-        return ManifestError(f"manifest error at '{path}'{who}: unknown key; allowed keys: "
-                             f"{allowed}")
-    leaf = str(key).split(".")[-1]
+    # walk to the dataclass that owns the key: to list its fields, or name the key's type
     parent = cls
-    for part in str(key).split(".")[:-1]:
+    for part in key.split(".")[:-1]:
         hint = _field_types(parent).get(part)
         if dataclasses.is_dataclass(hint):
             parent = hint
-    expected = _field_types(parent).get(leaf)
-    detail = f"expected {_type_name(expected)}" if expected is not None else ""
+    if isinstance(exc, ConfigKeyError):
+        allowed = ", ".join(f.name for f in dataclasses.fields(parent))
+        return ManifestError(f"manifest error at '{path}'{who}: unknown key; allowed keys: "
+                             f"{allowed}")
+    expected = _field_types(parent).get(key.split(".")[-1])
+    detail = f"; expected {_type_name(expected)}" if expected is not None else ""
     value = getattr(exc, "msg", str(exc)).split("\n")[0]
-    return ManifestError(f"manifest error at '{path}'{who}: {value}"
-                         + (f"; {detail}" if detail else ""))
+    return ManifestError(f"manifest error at '{path}'{who}: {value}{detail}")
 
 
 def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
     """Merge ``block`` into the structured config of ``cls`` and return a ``cls`` instance."""
-    schema = OmegaConf.structured(cls)
-    if block is None:
-        block = {}
+    block = {} if block is None else block
     who = f" (plugin '{owner}')" if owner else ""
     if not isinstance(block, (dict, DictConfig)):
         raise ManifestError(f"manifest error at '{prefix}'{who}: expected a mapping of "
                             f"settings, got {_shown(block)}")
     _check_mappings(cls, block, prefix, who)
     try:
-        merged = OmegaConf.merge(schema, block)
+        merged = OmegaConf.merge(OmegaConf.structured(cls), block)
     except OmegaConfBaseException as exc:
         raise _structured_error(exc, prefix, cls, owner) from None
     found = _range_problem(cls, merged, prefix)
@@ -305,12 +291,11 @@ def validate_block(cls: type, block: Any, prefix: str, owner: str = "") -> Any:
         text = str(exc)
         head, sep, rest = text.partition(":")
         names = {f.name for f in dataclasses.fields(cls)}
-        path = prefix
-        first = (text.split() or [""])[0].strip(":,")
         if sep and head.strip() in names:
-            path, text = f"{prefix}.{head.strip()}" if prefix else head.strip(), rest.strip()
-        elif first in names:  # "eps_high (0.1) must be >= eps_low": names its field first
-            path = f"{prefix}.{first}" if prefix else first
+            name, text = head.strip(), rest.strip()
+        else:  # "eps_high (0.1) must be >= eps_low": names its field first
+            name = (text.split() or [""])[0].strip(":,")
+        path = (f"{prefix}.{name}" if prefix else name) if name in names else prefix
         raise ManifestError(f"manifest error at '{path}' (plugin '{owner}'): {text}") from None
 
 
@@ -324,8 +309,7 @@ def _shown(value: Any) -> str:
 def _check_mappings(cls: type, block: Any, prefix: str, who: str) -> None:
     """A nested section (``train``, ``sampling``, a dict-typed field) given as a scalar or a
     list is named here; OmegaConf's own error for it carries no key."""
-    hints = _field_types(cls)
-    for name, hint in hints.items():
+    for name, hint in _field_types(cls).items():
         if name not in block:
             continue
         value = block[name]
@@ -393,29 +377,27 @@ def validate_plugin_blocks(cfg: DictConfig, plugins: list[Any],
 
     def check_node(path: str, node: Any) -> None:
         plugin = listed.get(path)
+        cls = plugin.settings_cls if plugin is not None else None
         children = roots.get(path, set())
-        own_fields: set[str] = set()
-        if plugin is not None and plugin.settings_cls is not None:
-            own_fields = {f.name for f in dataclasses.fields(plugin.settings_cls)}
+        own_fields = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+        who = f" (plugin '{plugin.name}')" if plugin else ""
         if isinstance(node, DictConfig):
             for key in node.keys():
                 key = str(key)
                 if key in children:
                     check_node(f"{path}.{key}", node[key])
                 elif key not in own_fields:
-                    allowed = sorted(own_fields | {c for c in children})
-                    who = f" (plugin '{plugin.name}')" if plugin else ""
+                    allowed = sorted(own_fields | children)
                     hint = (f"; allowed keys: {', '.join(allowed)}" if allowed
                             else "; this plugin takes no settings")
                     raise ManifestError(f"manifest error at '{path}.{key}'{who}: unknown key"
                                         + hint)
         elif node is not None:
-            who = f" (plugin '{plugin.name}')" if plugin else ""
             raise ManifestError(f"manifest error at '{path}'{who}: expected a mapping of "
                                 f"settings, got {_shown(node)}")
-        if plugin is not None and plugin.settings_cls is not None:
+        if cls is not None:
             block = {k: node[k] for k in own_fields if isinstance(node, DictConfig) and k in node}
-            settings[plugin.name] = validate_block(plugin.settings_cls, block, path, plugin.name)
+            settings[plugin.name] = validate_block(cls, block, path, plugin.name)
 
     for key in cfg.keys():
         key = str(key)
@@ -438,13 +420,9 @@ def validate_plugin_blocks(cfg: DictConfig, plugins: list[Any],
 
 def resolved(cfg: DictConfig, core: CoreConfig, settings: dict[str, Any]) -> DictConfig:
     """The fully resolved manifest: core defaults and every plugin's defaults filled in."""
-    out = OmegaConf.structured(core)
-    out = OmegaConf.create(OmegaConf.to_container(out))
+    out = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(core)))
     for name, value in settings.items():
         OmegaConf.update(out, name, OmegaConf.to_container(OmegaConf.structured(value)),
                          force_add=True)
     return out  # type: ignore[return-value]
 
-
-def to_yaml(cfg: DictConfig | ListConfig) -> str:
-    return OmegaConf.to_yaml(cfg)

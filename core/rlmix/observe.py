@@ -80,9 +80,8 @@ def plot(run_dir: Path) -> list[Path]:
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     written = []
-    groups = {"reward": [k for k in sorted({k for r in rows for k in r})
-                         if k.startswith("reward/")],
-              "eval": [k for k in sorted({k for r in rows for k in r}) if k.startswith("eval/")]}
+    every = sorted({k for r in rows for k in r})
+    groups = {name: [k for k in every if k.startswith(name + "/")] for name in ("reward", "eval")}
     for name, keys in groups.items():
         if not keys:
             continue

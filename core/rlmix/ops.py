@@ -57,11 +57,6 @@ def group_std(values: torch.Tensor, group: torch.Tensor, unbiased: bool = True) 
     return (sums / denom).sqrt()[group].to(values.dtype)
 
 
-def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """Number of masked-in tokens per row, ``[N]``."""
-    return mask.sum(-1)
-
-
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str,
                    normalizers: Normalizers) -> torch.Tensor:
     """Reduce a per-token loss ``[n, T]`` to the scalar this minibatch contributes.
@@ -108,13 +103,19 @@ def clip_ratio(ratio: torch.Tensor, advantages: torch.Tensor, lower: float | tor
     ``ratio`` (per-token or per-row bounds, as SAT's); ``ratio`` may be a token ratio
     ``exp(logp - old_logp)`` or a sequence ratio carried on every token
     (``sequence_token_ratio``)."""
+    unclipped = ratio * advantages
+    clipped = _clamp(ratio, lower, upper) * advantages
+    return -torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def _clamp(ratio: torch.Tensor, lower: float | torch.Tensor,
+           upper: float | torch.Tensor) -> torch.Tensor:
+    """``torch.clamp`` of ``ratio`` to bounds that may be a number and a tensor (torch.clamp
+    takes two numbers or two tensors)."""
     if isinstance(lower, torch.Tensor) != isinstance(upper, torch.Tensor):
-        # torch.clamp takes two numbers or two tensors
         lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device)
         upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, lower, upper) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
+    return torch.clamp(ratio, lower, upper)
 
 
 def outside_band(ratio: torch.Tensor, lower: float | torch.Tensor,
@@ -130,10 +131,7 @@ def rescaled_clip(ratio: torch.Tensor, advantages: torch.Tensor, lower: float | 
     """``-sg(clip(r, lower, upper)) * (r / sg(r)) * A``: the value of PPO's clipped branch
     with a gradient through a stop-gradient, ``-clip(r) A`` in ``logp`` (at the upper bound
     ``-(upper) A``) instead of none."""
-    if isinstance(lower, torch.Tensor) != isinstance(upper, torch.Tensor):
-        lower = torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device)
-        upper = torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device)
-    bound = torch.clamp(ratio, lower, upper).detach()
+    bound = _clamp(ratio, lower, upper).detach()
     return -bound * (ratio / ratio.detach()) * advantages
 
 

@@ -91,10 +91,6 @@ def core_requirement_problem(dist: md.Distribution) -> str:
     return ""
 
 
-def install_hint(name: str) -> str:
-    return f"pip install rlmix-{name.split('.')[0].replace('_', '-')}"
-
-
 def settings_class(obj: Any) -> type | None:
     cls = getattr(obj, "Settings", None)
     return cls if cls is not None and dataclasses.is_dataclass(cls) else None
@@ -114,7 +110,8 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
     missing = [n for n in names if n not in known and n not in extra]
     if missing:
         choices = ", ".join(sorted(set(known) | set(extra))) or "none installed"
-        hints = "; ".join(f"'{install_hint(n)}'" for n in missing)
+        hints = "; ".join(f"'pip install rlmix-{n.split('.')[0].replace('_', '-')}'"
+                          for n in missing)
         import difflib
 
         close = {m: difflib.get_close_matches(m, set(known) | set(extra), n=1) for m in missing}
@@ -131,13 +128,12 @@ def load(names: list[str], extra: dict[str, Any] | None = None) -> list[LoadedPl
                                     for n in unusable))
 
     loaded: dict[str, LoadedPlugin] = {}
+    by_family: dict[str, list[str]] = {}
     for name in names:
         if name in extra:
             obj = extra[name]
             loaded[name] = LoadedPlugin(name, "inline", obj, settings_class(obj), "inline", "")
-    by_family: dict[str, list[str]] = {}
-    for name in names:
-        if name not in extra:
+        else:
             by_family.setdefault(known[name].family, []).append(name)
 
     for family, members in by_family.items():
@@ -186,9 +182,7 @@ def register(pm: pluggy.PluginManager, plugins: list[LoadedPlugin]) -> None:
             pm.register(obj, name=name)
             attribute_errors(pm, name)
     for plugin in plugins:
-        obj = plugin.obj
-        if inspect.isclass(obj):
-            obj = obj()
+        obj = plugin.obj() if inspect.isclass(plugin.obj) else plugin.obj  # a class: an instance
         try:
             pm.register(obj, name=plugin.name)
         except (ValueError, pluggy.PluginValidationError) as exc:
@@ -233,8 +227,8 @@ def _marking(function: Any, plugin: str, hook: str, generator: bool) -> Any:
 
 def implementers(pm: pluggy.PluginManager, hook: str) -> list[tuple[str, bool]]:
     """(plugin name, is_wrapper) for each implementation, in call order (first called first)."""
-    caller = getattr(pm.hook, hook)
-    impls = list(reversed(caller.get_hookimpls()))  # pluggy stores them last-called-first
+    # pluggy stores them last-called-first
+    impls = reversed(getattr(pm.hook, hook).get_hookimpls())
     return [(i.plugin_name, bool(i.hookwrapper or i.wrapper)) for i in impls]
 
 

@@ -140,13 +140,10 @@ def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
         return model.to(_DTYPES[dtype]), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name in ALIASES:
-        source: str | Path = ALIASES[name]()  # type: ignore[misc]
-        kwargs: dict[str, Any] = {}
-    elif Path(name).exists():
-        source, kwargs = name, {}
-    else:
-        source, kwargs = name, {"local_files_only": True}
+    source: str | Path = ALIASES[name]() if name in ALIASES else name  # type: ignore[misc]
+    # a Hugging Face id is only looked up in the local cache, never downloaded
+    on_disk = name in ALIASES or Path(name).exists()
+    kwargs: dict[str, Any] = {} if on_disk else {"local_files_only": True}
     try:
         tok = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[dtype], **kwargs)
@@ -189,11 +186,9 @@ class Policy:
         """The chat template's rendering of ``messages`` with the assistant header; ``tools``
         (JSON-schema specs, ``Prompt.tools``) go to the template, which renders them in its own
         format (a template without tool support ignores them)."""
-        if tools:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True, **extra)
 
     def logprobs(self, run: Run, batch: RolloutBatch,
                  model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,14 +209,11 @@ class Policy:
             if self.share_prefix and not self.gradient_checkpointing:
                 hidden = shared_prefix_hidden(model, tokens, attn, position_ids, first)
             else:
-                hidden = model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
-                                          position_ids=position_ids[:, :-1],
-                                          use_cache=False).last_hidden_state[:, first - 1:]
+                hidden = _plain_hidden(model, tokens, attn, position_ids, first)
         labels = tokens[:, first:]
-        result = run.hook.rlmix_token_logprobs(run=run, hidden=hidden,
-                                              lm_head=model.get_output_embeddings(),
-                                              labels=labels)
-        logp, entropy = result
+        logp, entropy = run.hook.rlmix_token_logprobs(run=run, hidden=hidden,
+                                                      lm_head=model.get_output_embeddings(),
+                                                      labels=labels)
         pad = torch.zeros(n, first, device=self.device, dtype=logp.dtype)
         return torch.cat([pad, logp], 1), torch.cat([pad, entropy.to(logp.dtype)], 1)
 
@@ -235,9 +227,7 @@ def shared_prefix_hidden(model: Any, tokens: torch.Tensor, attn: torch.Tensor,
     key = torch.cat([tokens[:, :first], attn[:, :first].long()], 1)
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(uniq) == len(tokens):  # nothing shared: one plain forward is cheaper
-        return model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
-                                position_ids=position_ids[:, :-1],
-                                use_cache=False).last_hidden_state[:, first - 1:]
+        return _plain_hidden(model, tokens, attn, position_ids, first)
     rows = torch.zeros(len(uniq), dtype=torch.long, device=tokens.device).scatter_(
         0, inverse, torch.arange(len(tokens), device=tokens.device))
     prefix = model.base_model(input_ids=tokens[rows, :first], attention_mask=attn[rows, :first],
@@ -252,6 +242,14 @@ def shared_prefix_hidden(model: Any, tokens: torch.Tensor, attn: torch.Tensor,
                             position_ids=position_ids[:, first:-1], use_cache=True,
                             **{cache_argument(model.base_model): cache})
     return torch.cat([last, rest.last_hidden_state], 1)
+
+
+def _plain_hidden(model: Any, tokens: torch.Tensor, attn: torch.Tensor,
+                  position_ids: torch.Tensor, first: int) -> torch.Tensor:
+    """Final hidden states at positions ``first-1 .. T-2`` from one full forward."""
+    return model.base_model(input_ids=tokens[:, :-1], attention_mask=attn[:, :-1],
+                            position_ids=position_ids[:, :-1],
+                            use_cache=False).last_hidden_state[:, first - 1:]
 
 
 def cache_argument(model: Any) -> str:

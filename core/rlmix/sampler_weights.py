@@ -69,16 +69,14 @@ def build(run: Run) -> Any:
     return weights
 
 
-def refresh(run: Run, weights: Any, master: Any = None) -> float:
-    """Copy ``master`` (default: the policy's model) into ``weights`` now, mark it with the
-    run's version and log the seconds it took (``time/sampler_refresh_s``)."""
+def refresh(run: Run, weights: Any) -> None:
+    """Copy the policy's model into ``weights`` now, mark it with the run's version and log
+    the seconds it took (``time/sampler_refresh_s``)."""
     assert run.policy is not None
     t0 = time.perf_counter()
-    weights.refresh(run.policy.model if master is None else master)
-    took = time.perf_counter() - t0
+    weights.refresh(run.policy.model)
+    run.log(REFRESH_METRIC, time.perf_counter() - t0)
     weights.version = run.policy_version
-    run.log(REFRESH_METRIC, took)
-    return took
 
 
 def sampling_view(run: Run) -> Run:

@@ -5,6 +5,7 @@ Field names here are public API (DESIGN §4, §6): third-party plugins read and 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -50,8 +51,6 @@ class GenerationRequest:
     max_new_tokens: int = 32
 
 
-_ROW_TENSORS = ("group", "tokens", "attention_mask", "completion_mask", "behavior_logp",
-                "policy_version", "rewards")
 _ROW_LISTS = ("texts", "info", "prompts")
 
 
@@ -100,9 +99,7 @@ class RolloutBatch:
         kwargs: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
-                kwargs[f.name] = None
-            elif isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):
                 kwargs[f.name] = value[idx]
             elif isinstance(value, dict):
                 kwargs[f.name] = {k: v[idx] for k, v in value.items()}
@@ -119,13 +116,8 @@ class RolloutBatch:
         if not batches:
             raise ValueError("concat needs at least one batch")
         width = max(b.tokens.shape[1] for b in batches)
-        out: dict[str, Any] = {}
-        offset = 0
-        groups = []
-        for b in batches:
-            groups.append(b.group + offset)
-            offset += b.num_groups
-        out["group"] = torch.cat(groups)
+        offsets = itertools.accumulate([b.num_groups for b in batches], initial=0)
+        out: dict[str, Any] = {"group": torch.cat([b.group + o for b, o in zip(batches, offsets)])}
 
         def pad(t: torch.Tensor, value: float) -> torch.Tensor:
             missing = width - t.shape[1]
@@ -144,18 +136,16 @@ class RolloutBatch:
             out["rewards"] = torch.cat([b.rewards for b in batches])  # type: ignore[misc]
         keys = set.intersection(*(set(b.reward_terms) for b in batches))
         out["reward_terms"] = {k: torch.cat([b.reward_terms[k] for b in batches]) for k in keys}
-        if all(b.advantages is not None for b in batches):
-            advs = [b.advantages for b in batches]
-            out["advantages"] = (torch.cat([pad(a, 0) for a in advs]) if advs[0].dim() == 2
-                                 else torch.cat(advs))  # type: ignore[arg-type]
-        keys = set.intersection(*(set(b.extras) for b in batches))
-
-        def pad_extra(t: torch.Tensor, b: RolloutBatch) -> torch.Tensor:
-            # per-token extras (aligned with tokens) are left-padded like the tokens
+        def pad_aligned(t: torch.Tensor, b: RolloutBatch) -> torch.Tensor:
+            # per-token advantages and extras (aligned with tokens) are left-padded like them
             aligned = t.dim() >= 2 and t.shape[1] == b.tokens.shape[1]
             return pad(t, 0) if aligned else t
 
-        out["extras"] = {k: torch.cat([pad_extra(b.extras[k], b) for b in batches])
+        if all(b.advantages is not None for b in batches):
+            out["advantages"] = torch.cat([pad_aligned(b.advantages, b)  # type: ignore[arg-type]
+                                           for b in batches])
+        keys = set.intersection(*(set(b.extras) for b in batches))
+        out["extras"] = {k: torch.cat([pad_aligned(b.extras[k], b) for b in batches])
                          for k in keys}
         return RolloutBatch(**out)
 
@@ -308,7 +298,7 @@ class Run:
         (``prompts`` is then ignored). With a sampler copy (``rlmix.sampler_weights``), the
         owner runs on a view of the run whose ``policy.model`` is that copy."""
         if self.async_sampler is not None:
-            return self.async_sampler.take(self)[1]
+            return self.async_sampler.take(self)
         prompts = self.select_prompts(prompts)
         run = self
         if self.sampler_weights is not None:  # a low-precision (or other) sampler copy
