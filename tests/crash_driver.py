@@ -126,12 +126,15 @@ def arm(window: str, target: int, variant: int) -> None:
                 die()
             loop.configure = configure_then_die  # type: ignore[assignment]
         elif stage == "manifest_written":
-            written = loop._write_manifest
+            from rlmix import runfolder
 
-            def write_then_die_(run: Any) -> None:
-                written(run)
-                die()
-            loop._write_manifest = write_then_die_  # type: ignore[assignment]
+            written = loop._write_whole
+
+            def write_then_die_(path: Path, text: str) -> None:
+                written(path, text)
+                if path.name == runfolder.MANIFEST_FILE:
+                    die()
+            loop._write_whole = write_then_die_  # type: ignore[assignment]
         elif stage == "restored":
             restore = checkpoint.restore
 
