@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rlmix.errors import ConfigError
 from rlmix.types import GenerationRequest, Prompt, RolloutBatch, Run
 
 
@@ -82,6 +83,19 @@ def group_outcomes(success: torch.Tensor, group: torch.Tensor) -> tuple[torch.Te
     counts = torch.zeros(g, dtype=torch.long).index_add_(0, group, torch.ones_like(group))
     wins = torch.zeros(g, dtype=torch.long).index_add_(0, group, success.long())
     return wins, counts
+
+
+def require_whole_selection(name: str, chosen: list[Prompt], sampled: list[Prompt]) -> None:
+    """Refuse a run where a plugin later in ``rlmix_select_prompts`` (a data-parallel trainer's
+    per-rank share) cut the prompts the allocation plugin ``name`` chose: its budget and
+    per-prompt state would each see only part of the step."""
+    if [id(p) for p in chosen] != [id(p) for p in sampled]:
+        raise ConfigError(
+            f"plugin '{name}' chose {len(chosen)} prompts but the owner sampled "
+            f"{len(sampled)} others: a plugin after it in rlmix_select_prompts changed them "
+            f"(a data-parallel trainer's per-rank share: deepspeed with shard: true on several "
+            f"ranks). {name} needs its whole selection sampled in one process: run one process, "
+            f"or set deepspeed.shard: false")
 
 
 def allocate_by_gain(gain: Callable[[int, int], float], m: int, budget: int,
