@@ -1,14 +1,15 @@
 """Does an env teach a real model? Held-out greedy accuracy before and after GRPO, per env.
 
-For each env (``--envs``), from its example manifest (``examples/envs/<env>_smollm2.yaml``, or
-``sql_easy`` / ``code_easy``): build the run, evaluate the untrained model on the env's held-out
-problems (greedy, the env's own ``rlmix_evaluate``), train with the manifest until the wall-time
-budget (``--minutes``, default 15) or the manifest's ``train.steps`` runs out, evaluate again,
-and print the table row: env, task setting, before, after, training steps and time (wall and
-CPU seconds; model loading and evaluation excluded), manifest. ``--humaneval N`` also reports
+For each env (``--envs``), from its example manifest (``examples/envs/<env>_smollm2.yaml``:
+``math``, ``code_easy``, ``sql_easy``, ``tools``): build the run, evaluate the untrained model
+on the env's held-out problems (greedy, the env's own ``rlmix_evaluate``), train with the
+manifest until the wall-time budget (``--minutes``, default 15) or the manifest's
+``train.steps`` runs out, evaluate again, and print the table row: env, task setting, before,
+after, training steps and time (wall and CPU seconds; model loading and evaluation excluded),
+manifest. ``--humaneval N`` also reports
 HumanEval pass@1 on the first N held-out HumanEval problems before and after the code run.
 
-    python bench/envs_learn.py                                  # math, code_easy, sql_easy
+    python bench/envs_learn.py                                  # math, code_easy, sql_easy, tools
     python bench/envs_learn.py --envs sql_easy --minutes 15
     python bench/envs_learn.py --envs code_easy --humaneval 41
     python bench/envs_learn.py --model tiny-random --steps 2 --eval-size 4   # plumbing only
@@ -36,6 +37,7 @@ ENVS: dict[str, tuple[Path, str, str]] = {
     "math": (EXAMPLES / "math_smollm2.yaml", "math", "eval/accuracy"),
     "code_easy": (EXAMPLES / "code_easy_smollm2.yaml", "code", "eval/pass@1"),
     "sql_easy": (EXAMPLES / "sql_easy_smollm2.yaml", "sql", "eval/accuracy"),
+    "tools": (EXAMPLES / "tools_smollm2.yaml", "tools", "eval/accuracy"),
 }
 
 
@@ -47,6 +49,9 @@ def setting(plugin: str, s: Any) -> str:
             if s.kind == "curriculum" else f"math.source={s.kind}"
     if plugin == "code":
         return f"code.data={s.data}"
+    if plugin == "tools":
+        return (f"tools.call_format={s.call_format}, demos={s.demos} "
+                f"({s.digits}-digit {s.operators}, {s.steps} call)")
     return f"sql.difficulty={s.difficulty}"
 
 
@@ -141,7 +146,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--envs", default="math,code_easy,sql_easy",
+    p.add_argument("--envs", default="math,code_easy,sql_easy,tools",
                    help=f"comma-separated, from {', '.join(ENVS)}")
     p.add_argument("--minutes", type=float, default=15.0, help="training wall-time budget")
     p.add_argument("--model", default="smollm2-135m")
