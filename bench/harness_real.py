@@ -131,11 +131,10 @@ def harness_part(args: argparse.Namespace) -> dict[str, Any]:
         from rlmix_harness import harness_swapped
 
         state, scores = run.state[NAME], []
+        component = run.settings(NAME).component
         for c in range(len(state["candidates"])):
-            with harness_swapped(run, {**seed_harness,
-                                       **{run.settings(NAME).component:
-                                          bf.harness_with(state, run, c)[
-                                              run.settings(NAME).component]}}):
+            demo_set = bf.harness_with(state, run, c)[component]
+            with harness_swapped(run, {**seed_harness, component: demo_set}):
                 scores.append(heldout(run)["accuracy"])
         row["heldout_per_set"] = scores
     run.hook.rlmix_run_end(run=run)
