@@ -61,3 +61,30 @@ def test_the_report_compares_with_fp32_and_marks_a_collapse() -> None:
     assert "0.10 COLLAPSED" in rows["int8"] and "| -22.5 |" in rows["int8"]
     assert "| 0.50 |" in rows["int8"]  # half fp32's training time
     assert "100, not reached" in rows["int8"] and "100, 100" in rows["fp32"]
+
+
+def _mismatch_bench():
+    spec = importlib.util.spec_from_file_location("lowbit_mismatch",
+                                                  ROOT / "bench" / "lowbit_mismatch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mismatch_bench_is_zero_against_itself_and_prints_every_copy(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    skip_unless_installed(ROOT / "examples" / "lowbit-arith.yaml")
+    bench = _mismatch_bench()
+    from rlmix.policy import load_model
+
+    master, tok = load_model("tiny-random", "float32")
+    prompts = [tok.apply_chat_template([{"role": "user", "content": "What is 12+34?"}],
+                                       tokenize=False, add_generation_prompt=True)] * 2
+    same = bench.mismatch(master, master, tok, prompts, tokens=3, seed=0)
+    assert same["mean"] == 0.0 and same["argmax_agree"] == 1.0
+    assert bench.main(["--model", "tiny-random", "--tokens", "3", "--prompts", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0][2:] for r in rows[2:]] == list(bench.VARIANTS)
+    means = [float(r.split(" | ")[1]) for r in rows[2:]]
+    assert all(m < 1.0 for m in means) and max(means) > 0.0  # close to fp32, not equal
