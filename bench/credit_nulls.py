@@ -31,15 +31,15 @@ import rlmix_grpo
 import torch
 
 import rlmix
-from rlmix import loop, ops, sampling
-from rlmix.testing import ToyPolicy, make_run
+from rlmix import loop, sampling
+from rlmix.testing import ToyPolicy, make_run, toy_train
 from rlmix.testing.privileged import (
     PrivilegedToyPolicy,
     PrivilegedToyWorld,
     prompt_index,
     toy_world_run,
 )
-from rlmix.types import Minibatch, Normalizers, Prompt, RolloutBatch
+from rlmix.types import Prompt, RolloutBatch
 
 FATAL = 3
 
@@ -151,62 +151,33 @@ def elpo_main() -> None:
               flush=True)
 
 
-def _one_sided(logp, old, adv, high, eps_low, eps_high):  # noqa: ANN001, ANN202
-    ratio = torch.exp(logp - old)
-    loss, clipped = ops.clip_ratio(ratio, adv, 1 - eps_low, 1 + eps_high)
-    rescued = ops.rescaled_clip(ratio, adv, 1 - eps_low, 1 + eps_high)
-    return torch.where(high & clipped & (adv > 0), rescued, loss), clipped
-
-
 def aepo_run(plugins: dict, overrides: list[str], epochs: int, lr: float, seed: int,
-             one_sided: bool = False, steps: int = 200) -> tuple[float, float, float]:
-    shipped = rlmix_aepo.entropy_balanced_surrogate
-    if one_sided:
-        rlmix_aepo.entropy_balanced_surrogate = _one_sided
-    try:
-        run = make_run(plugins, [f"train.epochs={epochs}", *overrides])
-        toy = ToyPolicy(vocab=6, length=4, seed=seed)
-        with torch.no_grad():
-            toy.logits.copy_(torch.tensor([3.0, 0, 0, 1, 1, 1]).repeat(4, 1)
-                             + 0.1 * torch.arange(4.0)[:, None] * torch.eye(6)[0])
-        opt = torch.optim.Adam(toy.parameters(), lr=lr)
-        rewards, clip = [], []
-        for step in range(steps):
-            run.step = step
-            batch = toy.sample(4, 8)
-            batch.rewards = (batch.tokens[:, 1:] < 3).float().mean(-1)
-            rewards.append(float(batch.rewards.mean()))
-            batch.advantages = run.hook.rlmix_advantage(run=run, batch=batch)
-            with torch.no_grad():
-                batch.behavior_logp = toy.logprobs(batch)[0]
-            norm = Normalizers(tokens=float(batch.completion_mask.sum()),
-                               sequences=float(len(batch)), norm_constant=4.0)
-            for _ in range(epochs):
-                logp, entropy = toy.logprobs(batch)
-                terms = run.hook.rlmix_clip(run=run, mb=Minibatch(batch=batch,
-                                                                  normalizers=norm),
-                                            logp=logp, entropy=entropy)
-                clip.append(terms.metrics["clip/fraction"])
-                opt.zero_grad()
-                ops.aggregate_loss(terms.loss, terms.mask, terms.mode, norm).backward()
-                opt.step()
-        with torch.no_grad():
-            table = torch.log_softmax(toy.logits, -1)
-            entropy_end = float(-(table.exp() * table).sum(-1).mean())
-        return sum(rewards[-20:]) / 20, entropy_end, sum(clip) / len(clip)
-    finally:
-        rlmix_aepo.entropy_balanced_surrogate = shipped
+             steps: int = 200) -> tuple[float, float, float]:
+    run = make_run(plugins, [f"train.epochs={epochs}", *overrides])
+    toy = ToyPolicy(vocab=6, length=4, seed=seed)
+    with torch.no_grad():
+        toy.logits.copy_(torch.tensor([3.0, 0, 0, 1, 1, 1]).repeat(4, 1)
+                         + 0.1 * torch.arange(4.0)[:, None] * torch.eye(6)[0])
+    updates: list[dict] = []
+    rewards = toy_train(run, toy, lambda b: (b.tokens[:, 1:] < 3).float().mean(-1),
+                        steps=steps, lr=lr, epochs=epochs, norm_constant=4.0,
+                        update_metrics=updates)
+    with torch.no_grad():
+        table = torch.log_softmax(toy.logits, -1)
+        entropy_end = float(-(table.exp() * table).sum(-1).mean())
+    clip = [u["clip/fraction"] for u in updates]
+    return sum(rewards[-20:]) / 20, entropy_end, sum(clip) / len(clip)
 
 
 def aepo_main() -> None:
     ppo, aepo = {"grpo": rlmix_grpo}, {"grpo": rlmix_grpo, "aepo": rlmix_aepo}
-    cases = [("ppo", ppo, [], False), ("aepo", aepo, [], False),
-             ("aepo alpha 0", aepo, ["aepo.alpha=0"], False),
-             ("one-sided", aepo, [], True), ("one-sided alpha 0", aepo, ["aepo.alpha=0"], True)]
+    one = ["aepo.rescue=positive"]
+    cases = [("ppo", ppo, []), ("aepo", aepo, []), ("aepo alpha 0", aepo, ["aepo.alpha=0"]),
+             ("one-sided", aepo, one), ("one-sided alpha 0", aepo, [*one, "aepo.alpha=0"])]
     for epochs, lr in ((4, 0.1), (8, 0.3)):
         print(f"epochs {epochs}, Adam lr {lr}: (reward, entropy at 200, clip fraction)")
-        for name, plugins, overrides, one in cases:
-            out = [aepo_run(plugins, overrides, epochs, lr, s, one) for s in range(3)]
+        for name, plugins, overrides in cases:
+            out = [aepo_run(plugins, overrides, epochs, lr, s) for s in range(3)]
             print(f"  {name:18s}", "  ".join(f"{r:.3f} {h:.3f} {c:.4f}" for r, h, c in out),
                   flush=True)
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import tiny_plumbing, train_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "envs"
@@ -66,9 +67,7 @@ def overrides(args: argparse.Namespace, env: str) -> list[str]:
     if args.eval_size:
         out.append(f"{plugin}.eval_size={args.eval_size}")
     if args.model == "tiny-random":  # plumbing: short everything, no bf16
-        out += ["policy.autocast=none", "sampling.max_new_tokens=8",
-                f"{plugin}.eval_max_new_tokens=8", "train.prompts_per_step=2",
-                "train.group_size=2"]
+        out += tiny_plumbing(plugin, 8)
     return out + list(args.set)
 
 
@@ -101,28 +100,16 @@ def learn(args: argparse.Namespace, env: str) -> dict[str, Any]:
     human_before = (humaneval_pass_at_1(run, args.humaneval, args.humaneval_tokens)
                     if plugin == "code" and args.humaneval else None)
     budget = args.minutes * 60.0
-    steps = int(cfg.train.steps)
-    rewards: list[float] = []
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    while run.step < steps and time.perf_counter() - wall0 < budget:
-        metrics = loop.train_step(run)
-        rewards.append(float(metrics["reward/mean"]))
-        if args.verbose:
-            print(f"[{env}] step {run.step}: reward {rewards[-1]:.3f} "
-                  f"({metrics['time/step_s']:.1f} s)", file=sys.stderr, flush=True)
-    train_s, train_cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    trained = train_for(run, budget, env, args.verbose)
     after = loop.evaluate(run)
     human_after = (humaneval_pass_at_1(run, args.humaneval, args.humaneval_tokens)
                    if plugin == "code" and args.humaneval else None)
     run.hook.rlmix_run_end(run=run)
-    block = max(1, len(rewards) // 5)
     row = {"env": env, "setting": setting(plugin, s), "model": args.model,
            "metric": metric, "before": before.get(metric), "after": after.get(metric),
-           "before_all": before, "after_all": after, "steps": run.step,
-           "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
+           "before_all": before, "after_all": after,
+           **{k: v for k, v in trained.items() if k != "clock"},
            "eval_wall_s": round(eval_s, 1), "budget_s": budget,
-           "reward_curve": [round(sum(rewards[i:i + block]) / len(rewards[i:i + block]), 3)
-                            for i in range(0, len(rewards), block)],
            "manifest": str(path.relative_to(ROOT)), "overrides": overrides(args, env)}
     if human_before is not None:
         row["humaneval_pass@1"] = {"before": human_before, "after": human_after,

@@ -19,13 +19,21 @@ each for the same time budget (``--minutes`` of wall time, or of this process's 
 ``--clock cpu``, fairer when the machine's load changes; the search's rollouts count inside
 it), the same seed and the same training problems; held-out accuracy of each at the end, each
 under its own harness (the joint run's weights are also scored under the seed harness).
+``--schedule late`` moves the search to the end: GRPO alone until ``--reserve`` seconds of the
+budget are left, then the search to its end on the trained weights (demos bootstrapped from
+what GRPO taught), then GRPO under the applied harness for what is left; the search's time
+counts inside the budget either way. ``--arms rl`` and ``--arms joint`` in two processes run
+the two arms of one seed side by side (with ``--clock cpu``, each on its own CPU time).
 
     python bench/harness_real.py                                  # both parts
     python bench/harness_real.py --part harness
     python bench/harness_real.py --part joint --minutes 10
+    python bench/harness_real.py --part joint --minutes 10 --clock cpu --schedule late \
+        --arms joint --seed 3              # beside the same with --arms rl
     python bench/harness_real.py --model tiny-random --steps 2 --eval-size 4   # plumbing only
 
-Results go to ``<out>/harness.json`` and ``<out>/joint.json``. Run it with one torch thread
+Results go to ``<out>/harness.json`` and ``<out>/joint.json`` (``joint-<arm>.json`` for one
+arm). Run it with one torch thread
 (``OMP_NUM_THREADS=1``; the manifest sets ``policy.threads: 1``) and ``nice`` on this machine.
 Training and search time are wall seconds; model loading and held-out evaluation are excluded.
 """
@@ -38,6 +46,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import Clock, tiny_plumbing, train_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "examples" / "harness" / "bootstrap_fewshot-smollm2.yaml"
@@ -53,9 +63,8 @@ def overrides(args: argparse.Namespace, label: str) -> list[str]:
     if args.eval_size:
         out.append(f"arith.eval_size={args.eval_size}")
     if args.model == "tiny-random":  # plumbing: short everything, no bf16
-        out += ["policy.autocast=none", "sampling.max_new_tokens=4",
-                "arith.eval_max_new_tokens=4", f"{NAME}.max_new_tokens=4",
-                "train.prompts_per_step=2", "train.group_size=2", f"{NAME}.train_size=4",
+        out += tiny_plumbing("arith", 4) + [
+                f"{NAME}.max_new_tokens=4", f"{NAME}.train_size=4",
                 f"{NAME}.val_size=2", f"{NAME}.num_candidates=2", f"{NAME}.budget=20",
                 f"{NAME}.threshold=0.0"]  # the tiny model solves nothing: keep every trace
     return out + list(args.set)
@@ -93,13 +102,14 @@ def search_done(run: Any) -> bool:
 def summary(run: Any) -> dict[str, Any]:
     from rlmix_harness import mean
 
+    # before any search step: an empty state
     state = run.state.get(NAME) or {"pool": [], "candidates": [], "val": [], "applied": 0,
-                                    "metric_calls": 0, "rounds": []}  # no search step ran
+                                    "metric_calls": 0, "rounds": [], "history": []}
     return {"demos": len(state["pool"]), "sets": [list(c) for c in state["candidates"]],
             "val": [None if v is None else round(mean(v), 4) for v in state["val"]],
             "applied": state["applied"], "metric_calls": state["metric_calls"],
             "pool": [d["input"] + " -> " + d["output"] for d in state["pool"]],
-            "rounds": state["rounds"]}
+            "rounds": state["rounds"], "history": state["history"]}
 
 
 def harness_part(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,43 +151,61 @@ def harness_part(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def train_for(run: Any, budget_s: float, label: str, verbose: bool, clock: str = "wall"
-              ) -> dict[str, Any]:
+def search_to_end(run: Any, label: str, verbose: bool) -> None:
+    """The demo search run to its end at the current weights, outside the training steps:
+    the bootstrap, then every demo set scored on the validation tasks (or the budget spent),
+    the best applied as the harness."""
+    import rlmix_bootstrap_fewshot as bf
+
     from rlmix import loop
 
-    rewards: list[float] = []
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-
-    def spent() -> float:
-        return time.process_time() - cpu0 if clock == "cpu" else time.perf_counter() - wall0
-
-    while run.step < int(run.config.train.steps) and spent() < budget_s:
-        m = loop.train_step(run)
-        rewards.append(float(m["reward/mean"]))
+    while not search_done(run):
+        update = bf.iterate(run)
+        if update is not None:
+            loop.apply_harness_update(run, update)
         if verbose:
-            print(f"[{label}] step {run.step}: reward {rewards[-1]:.3f}, "
-                  f"{time.perf_counter() - wall0:.0f} s wall, "
-                  f"{time.process_time() - cpu0:.0f} s CPU", flush=True)
-    block = max(1, len(rewards) // 5)
-    return {"steps": run.step, "train_wall_s": round(time.perf_counter() - wall0, 1),
-            "train_cpu_s": round(time.process_time() - cpu0, 1), "clock": clock,
-            "reward_curve": [round(sum(rewards[i:i + block]) / len(rewards[i:i + block]), 3)
-                             for i in range(0, len(rewards), block)]}
+            s = summary(run)
+            print(f"[{label}] search: {s['demos']} demos, val {s['val']}, applied "
+                  f"{s['applied']}", flush=True)
+
+
+def train_late(run: Any, budget_s: float, reserve_s: float, label: str, verbose: bool,
+               clock: str) -> dict[str, Any]:
+    """The ``late`` schedule: GRPO alone until ``reserve_s`` of the budget is left, then the
+    demo search to its end on the trained weights, then GRPO under the applied harness for
+    whatever the budget has left (the search's time counts inside the budget)."""
+    c, rewards = Clock(clock), []
+    train_for(run, budget_s - reserve_s, label, verbose, started=c, rewards=rewards)
+    rl_steps, t0 = run.step, c.spent()
+    search_to_end(run, label, verbose)
+    search_s = c.spent() - t0
+    row = train_for(run, budget_s, label, verbose, started=c, rewards=rewards)
+    return {**row, "steps_before_search": rl_steps, "search_s": round(search_s, 1)}
 
 
 def joint_part(args: argparse.Namespace) -> dict[str, Any]:
-    """GRPO alone vs GRPO + the demo search interleaved, at the same wall-time budget."""
+    """GRPO alone vs GRPO + the demo search (interleaved from the first step, or ``late``: on
+    the trained weights at the end), at the same time budget."""
     from rlmix_harness import harness_swapped
 
     budget = args.minutes * 60.0
     rows: dict[str, Any] = {"part": "joint", "model": args.model, "seed": args.seed,
-                            "budget_s": budget}
-    for label, plugins in (("rl", ["hf", "arith", "grpo", "fused_logprobs"]),
-                           ("joint", ["hf", "arith", "grpo", "fused_logprobs", NAME])):
-        run = build(args, label, plugins, "rl", list(args.joint_set) if label == "joint" else [])
+                            "budget_s": budget, "schedule": args.schedule}
+    arms = {"rl": ["hf", "arith", "grpo", "fused_logprobs"],
+            "joint": ["hf", "arith", "grpo", "fused_logprobs", NAME]}
+    for label in args.arms:
+        extra = list(args.joint_set) if label == "joint" else []
+        if label == "joint" and args.schedule == "late":
+            extra.append("train.evolve_every=1000000000")  # no search inside the RL steps
+        run = build(args, label, arms[label], "rl", extra)
         seed_harness = dict(run.harness)
         before = heldout(run)
-        row = {"before": before, **train_for(run, budget, label, args.verbose, args.clock)}
+        if label == "joint" and args.schedule == "late":
+            trained = train_late(run, budget, min(args.reserve, budget), label, args.verbose,
+                                 args.clock)
+        else:
+            trained = train_for(run, budget, label, args.verbose, args.clock)
+        row = {"before": before, **trained}
         row["after"] = heldout(run)
         if label == "joint":
             row.update(summary(run), harness=dict(run.harness), search_done=search_done(run))
@@ -200,6 +228,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="joint: what --minutes counts; cpu (this process's CPU seconds) is "
                    "the fairer budget on a machine whose load changes between the two runs")
+    p.add_argument("--schedule", choices=("interleaved", "late"), default="interleaved",
+                   help="joint: the search at every step from the first (the manifest's "
+                   "train.evolve_every: 1), or late: on the trained weights, --reserve before "
+                   "the budget ends")
+    p.add_argument("--reserve", type=float, default=150.0,
+                   help="joint, late: seconds of the budget left when the search starts")
+    p.add_argument("--arms", type=lambda v: v.split(","), default=["rl", "joint"],
+                   help="joint: the runs, comma-separated (rl, joint); one arm per process "
+                   "runs both arms of a seed side by side with --clock cpu")
     p.add_argument("--steps", type=int, default=0, help="at most this many steps per run "
                    "(0 = the manifest's train.steps)")
     p.add_argument("--eval-size", type=int, default=0, help="held-out problems (0 = the "
@@ -228,21 +265,27 @@ def table(results: dict[str, Any]) -> str:
                   f"{h['metric_calls']} calls, {h['search_wall_s']:.0f} s |"]
     j = results.get("joint")
     if j:
-        lines += ["", f"| run (equal {j['rl']['clock']} time) | steps | train wall (s) | "
+        clock = j[next(k for k in ("rl", "joint") if k in j)]["clock"]
+        lines += ["", f"| run (equal {clock} time) | steps | train wall (s) | "
                   "train CPU (s) | held-out before | held-out after |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for label in ("rl", "joint"):
+            if label not in j:
+                continue
             r = j[label]
             lines.append(f"| {label} | {r['steps']} | {r['train_wall_s']:.0f} | "
                          f"{r['train_cpu_s']:.0f} | "
                          f"{r['before']['accuracy']:.3f} | {r['after']['accuracy']:.3f} |")
-        lines.append(f"| joint weights, seed harness | | | | | "
-                     f"{j['joint']['after_seed_harness']['accuracy']:.3f} |")
+        if "joint" in j:
+            lines.append(f"| joint weights, seed harness | | | | | "
+                         f"{j['joint']['after_seed_harness']['accuracy']:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    if set(args.arms) - {"rl", "joint"} or not args.arms:
+        raise SystemExit(f"--arms: rl and/or joint, not {','.join(args.arms)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -250,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.part in (part, "both"):
             results[part] = fn(args)
             results[part]["args"] = vars(args)
-            (out / f"{part}.json").write_text(json.dumps(results[part], indent=1, default=str))
+            name = part if part == "harness" or len(args.arms) == 2 else \
+                f"{part}-{args.arms[0]}"
+            (out / f"{name}.json").write_text(json.dumps(results[part], indent=1, default=str))
     print(table(results), flush=True)
     return results
 

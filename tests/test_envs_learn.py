@@ -6,13 +6,12 @@ reports HumanEval pass@1 before and after when asked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from rlmix.testing import skip_unless_installed
+from rlmix.testing import load_script, skip_unless_installed
 
 from .conftest import ROOT
 
@@ -20,11 +19,7 @@ BENCH = ROOT / "bench" / "envs_learn.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("envs_learn", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 @pytest.mark.slow

@@ -6,13 +6,12 @@ start; a zero budget trains nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from rlmix.testing import skip_unless_installed
+from rlmix.testing import load_script, skip_unless_installed
 
 from .conftest import ROOT
 
@@ -20,11 +19,7 @@ BENCH = ROOT / "bench" / "harness_real.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("harness_real", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 def test_both_parts_run_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -76,3 +71,40 @@ def test_a_zero_budget_trains_nothing(tmp_path: Path):
                           "--eval-size", "2", "--out", str(tmp_path)])
     assert results["joint"]["rl"]["steps"] == results["joint"]["joint"]["steps"] == 0
     assert results["joint"]["budget_s"] == 0 and results["joint"]["joint"]["metric_calls"] == 0
+
+
+def test_the_late_schedule_searches_on_the_trained_weights(tmp_path: Path):
+    """``--schedule late``: GRPO until the reserve (here the step cap stops it first), then the
+    search to its end, in one budget; one arm per process writes ``joint-<arm>.json``."""
+    bench = _bench()
+    skip_unless_installed(bench.MANIFEST)
+    results = bench.main(["--model", "tiny-random", "--part", "joint", "--schedule", "late",
+                          "--arms", "joint", "--steps", "2", "--eval-size", "4",
+                          "--minutes", "5", "--reserve", "60", "--clock", "cpu",
+                          "--out", str(tmp_path)])
+    j = results["joint"]
+    assert "rl" not in j and j["schedule"] == "late"
+    joint = j["joint"]
+    assert joint["steps_before_search"] == 2 == joint["steps"]  # the cap: no steps after it
+    assert joint["search_done"] and joint["metric_calls"] > 0 and joint["search_s"] >= 0
+    # the search ran after the RL steps, outside them: every demo set was scored at step 2
+    assert joint["history"] and {h["step"] for h in joint["history"]} == {2}
+    written = json.loads((tmp_path / "joint-joint.json").read_text())
+    assert written["joint"]["steps_before_search"] == 2
+
+
+def test_the_late_schedule_with_the_whole_budget_reserved_searches_first(tmp_path: Path):
+    bench = _bench()
+    skip_unless_installed(bench.MANIFEST)
+    results = bench.main(["--model", "tiny-random", "--part", "joint", "--schedule", "late",
+                          "--arms", "joint", "--steps", "1", "--eval-size", "2",
+                          "--minutes", "1", "--reserve", "60", "--out", str(tmp_path)])
+    joint = results["joint"]["joint"]
+    assert joint["steps_before_search"] == 0 and joint["search_done"]
+    assert joint["steps"] <= 1  # after the search, GRPO only while the minute lasts
+
+
+def test_unknown_arms_are_refused(tmp_path: Path):
+    bench = _bench()
+    with pytest.raises(SystemExit, match="--arms"):
+        bench.main(["--part", "joint", "--arms", "rl,grpo", "--out", str(tmp_path)])

@@ -4,11 +4,12 @@ per config, and rlmix with TRL's defaults follows TRL's learning-rate schedule s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from rlmix.testing import load_script
 
 from .conftest import ROOT
 
@@ -16,11 +17,7 @@ BENCH = ROOT / "bench" / "learn_vs_trl.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("learn_vs_trl", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 @pytest.mark.slow

@@ -5,13 +5,12 @@ not a learning claim)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from rlmix.testing import skip_unless_installed
+from rlmix.testing import load_script, skip_unless_installed
 
 from .conftest import ROOT
 
@@ -19,11 +18,7 @@ BENCH = ROOT / "bench" / "lowbit_learn.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("lowbit_learn", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 def test_plumbing_mode_runs_a_sampler_config(tmp_path: Path,
@@ -64,12 +59,7 @@ def test_the_report_compares_with_fp32_and_marks_a_collapse() -> None:
 
 
 def _mismatch_bench():
-    spec = importlib.util.spec_from_file_location("lowbit_mismatch",
-                                                  ROOT / "bench" / "lowbit_mismatch.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / "lowbit_mismatch.py")
 
 
 def test_mismatch_bench_is_zero_against_itself_and_prints_every_copy(

@@ -19,6 +19,7 @@ import rlmix_conformance as conformance
 from rlmix import cli
 from rlmix import plugins as plugin_loading
 from rlmix.templates import reference
+from rlmix.testing import load_script
 
 from .conftest import ROOT
 
@@ -108,8 +109,6 @@ def test_each_family_default_passes_the_quick_kit(family: str, tmp_path: Path,
 
 def test_generated_code_is_lint_clean_and_its_own_tests_pass(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
     folder = _generate(tmp_path, "linted", "algorithms", ALL_HOOKS)
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     if Path(ruff).exists():
@@ -118,9 +117,7 @@ def test_generated_code_is_lint_clean_and_its_own_tests_pass(
         assert lint.returncode == 0, lint.stdout
     _import_generated(folder, "linted", monkeypatch)
     path = folder / "tests" / "test_linted.py"
-    spec = importlib.util.spec_from_file_location("generated_test_linted", path)
-    tests = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tests)
+    tests = load_script(path, "generated_test_linted")
     names = [n for n in dir(tests) if n.startswith("test_")]
     assert len(names) >= 9
     for name in names:

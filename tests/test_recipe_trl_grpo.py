@@ -4,13 +4,13 @@ TRL's, step by step, on the tiny model."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from rlmix import cli
+from rlmix.testing import load_script
 
 from .conftest import ROOT, read_jsonl
 
@@ -51,10 +51,7 @@ def test_recipe_is_trls_grpo_config_defaults(tmp_path: Path) -> None:
 
 def test_bench_matches_trl_with_the_recipes_keys() -> None:
     """bench/learn_vs_trl.py's ``rlmix-trl`` config sets exactly this recipe's values."""
-    spec = importlib.util.spec_from_file_location("learn_vs_trl", BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script(BENCH)
     recipe = OmegaConf.load(RECIPE)
     for override in bench.TRL_DEFAULTS:
         key, value = override.split("=", 1)

@@ -1,12 +1,14 @@
 """The helpers ``rlmix.testing`` re-exports (``make_batch``, ``make_run``, ``ToyPolicy``,
-``toy_train``, ``skip_unless_installed``). They import torch; ``rlmix.testing`` itself, the
-pytest plugin every pytest run loads, imports this module only when a test asks for one of them.
+``toy_train``, ``skip_unless_installed``, ``load_script``). They import torch;
+``rlmix.testing`` itself, the pytest plugin every pytest run loads, imports this module only
+when a test asks for one of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -56,6 +58,27 @@ def make_run(plugins: dict[str, Any] | None = None, overrides: list[str] | None 
     if with_policy:
         loop.load_policy(run)
     return run
+
+
+def load_script(path: str | Path, name: str | None = None) -> ModuleType:
+    """A Python file that is not an installed module (a ``bench/`` script, a generated test
+    file) imported from its path, under ``name`` (default: the file's stem). Its folder is
+    first on ``sys.path`` while it loads, as when ``python path`` runs it, so it can import
+    its neighbours (``bench/_common.py``)."""
+    import importlib.util
+    import sys
+
+    path = Path(path).resolve()
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 def skip_unless_installed(manifest_path: Any) -> None:
@@ -157,27 +180,40 @@ class ToyPolicy(torch.nn.Module):
 def toy_train(run: Run, policy: ToyPolicy, reward_fn: Callable[[RolloutBatch], torch.Tensor],
               steps: int = 200, lr: float = 0.1, n_prompts: int = 4, group_size: int = 8,
               lengths: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              norm_constant: float | None = None) -> list[float]:
-    """Train ``policy`` with the run's ``rlmix_advantage`` and ``rlmix_clip`` owners; returns the
-    mean reward of every step's samples."""
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+              norm_constant: float | None = None, *, epochs: int = 1,
+              optimizer: str = "adam",
+              advantage: Callable[[RolloutBatch], torch.Tensor] | None = None,
+              update_metrics: list[dict[str, Any]] | None = None) -> list[float]:
+    """Train ``policy`` with the run's ``rlmix_advantage`` (or ``advantage(batch)``) and
+    ``rlmix_clip`` owners, ``epochs`` updates per batch (the ratio against the sampler's
+    log-probs drifts from 1 after the first, so a clip can bind), with Adam or SGD
+    (``optimizer``); returns the mean reward of every step's samples. ``update_metrics``, when
+    given, receives every update's ``LossTerms.metrics``."""
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer: adam or sgd, not {optimizer!r}")
+    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(
+        policy.parameters(), lr=lr)
     history = []
     for step in range(steps):
         run.step = step
         batch = policy.sample(n_prompts, group_size, lengths)
         batch.rewards = reward_fn(batch).float()
         history.append(float(batch.rewards.mean()))
-        batch.advantages = run.hook.rlmix_advantage(run=run, batch=batch)
-        logp, entropy = policy.logprobs(batch)
+        batch.advantages = (advantage(batch) if advantage is not None
+                            else run.hook.rlmix_advantage(run=run, batch=batch))
         normalizers = Normalizers(tokens=float(batch.completion_mask.sum().clamp(min=1)),
                                   sequences=float(len(batch)),
                                   norm_constant=float(norm_constant or policy.length))
         mb = Minibatch(batch=batch, normalizers=normalizers)
-        terms = run.hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
-        loss = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, normalizers)
-        if terms.extra is not None:
-            loss = loss + terms.extra
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        for _ in range(epochs):
+            logp, entropy = policy.logprobs(batch)
+            terms = run.hook.rlmix_clip(run=run, mb=mb, logp=logp, entropy=entropy)
+            if update_metrics is not None:
+                update_metrics.append(dict(terms.metrics))
+            loss = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, normalizers)
+            if terms.extra is not None:
+                loss = loss + terms.extra
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     return history

@@ -19,6 +19,7 @@ from rlmix import ops
 from rlmix.types import LOSS_MODES, LossTerms, Minibatch, Run
 
 NAME = "aepo"
+RESCUE_CHOICES = ("both", "positive")
 
 
 @dataclass
@@ -27,11 +28,14 @@ class Settings:
     eps_high: float = 0.2
     quantile: float = 0.8  # high-entropy tokens: entropy >= this quantile; 1 = none (PPO)
     alpha: float = 0.5  # entropy-aware advantage: A (1 + alpha * H / max H) on those tokens
+    rescue: str = "both"  # where clipped high tokens keep a gradient: both bounds, or positive
+    # advantages only (the clip-higher side; a variant, not the paper's reading)
     loss_mode: str = "seq-mean-token-mean"
     old_logp: str = "auto"
 
     def __post_init__(self) -> None:
-        rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=ops.OLD_LOGP_CHOICES)
+        rlmix.check_choices(self, loss_mode=LOSS_MODES, old_logp=ops.OLD_LOGP_CHOICES,
+                            rescue=RESCUE_CHOICES)
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
             raise ValueError("eps_low must be in [0, 1) and eps_high >= 0")
         if not 0.0 <= self.quantile <= 1.0 or self.alpha < 0:
@@ -60,15 +64,18 @@ def entropy_aware_advantage(advantages: torch.Tensor, entropy: torch.Tensor,
 
 def entropy_balanced_surrogate(logp: torch.Tensor, old_logp: torch.Tensor,
                                advantages: torch.Tensor, high: torch.Tensor, eps_low: float,
-                               eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               eps_high: float, rescue: str = "both"
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's ``-min(r A, clip(r) A)``; on ``high`` tokens where the clipped branch is taken, its
     stop-gradient form ``-sg(clip(r)) * (r / sg(r)) * A`` (same value, gradient
-    ``-clip(r) A``). Returns the loss and where PPO's clipped branch was taken."""
+    ``-clip(r) A``); with ``rescue="positive"`` only where ``A > 0`` (the upper bound's side).
+    Returns the loss and where PPO's clipped branch was taken."""
     ratio = torch.exp(logp - old_logp)
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
     loss, clipped = ops.clip_ratio(ratio, advantages, lower, upper)
     rescaled = ops.rescaled_clip(ratio, advantages, lower, upper)
-    return torch.where(high & clipped, rescaled, loss), clipped
+    kept = high & clipped & ((advantages > 0) if rescue == "positive" else True)
+    return torch.where(kept, rescaled, loss), clipped
 
 
 @rlmix.hookimpl
@@ -81,7 +88,8 @@ def rlmix_clip(run: Run, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tenso
     high = high_entropy(entropy, mask, s.quantile)
     adv = entropy_aware_advantage(batch.token_advantages().to(logp.device), entropy, mask,
                                   high, s.alpha)
-    loss, clipped = entropy_balanced_surrogate(logp, old, adv, high, s.eps_low, s.eps_high)
+    loss, clipped = entropy_balanced_surrogate(logp, old, adv, high, s.eps_low, s.eps_high,
+                                               s.rescue)
     return LossTerms(loss=loss, mask=mask, mode=s.loss_mode, metrics={
         "clip/fraction": float(ops.masked_mean(clipped.float(), mask)),
         f"{NAME}/rescued_fraction": float(ops.masked_mean((clipped & high).float(), mask)),

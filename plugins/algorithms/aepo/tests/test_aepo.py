@@ -11,7 +11,7 @@ from rlmix_aepo import entropy_aware_advantage, entropy_balanced_surrogate, high
 
 import rlmix
 from rlmix import ops
-from rlmix.testing import ToyPolicy, make_run
+from rlmix.testing import ToyPolicy, make_run, toy_train
 from rlmix.types import Minibatch, Normalizers
 
 EPS = 0.2
@@ -37,6 +37,22 @@ def test_rescaled_clip_hand_computed_values_and_gradients():
     loss.sum().backward()
     # gradients: high & clipped -> -clip(r) A; low-entropy clipped -> 0; inside -> -r A
     torch.testing.assert_close(logp.grad, torch.tensor([-1.2, 0.0, 1.6, -1.1],
+                                                       dtype=torch.float64))
+
+
+def test_the_positive_rescue_keeps_only_the_upper_bounds_gradient():
+    """``rescue: positive`` (a bench variant): the same values; the clipped high token with
+    A < 0 (token 2) loses its gradient again, the one with A > 0 keeps ``-clip(r) A``."""
+    ratio = torch.tensor([1.5, 1.5, 0.5, 1.1], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -2.0, 1.0], dtype=torch.float64)
+    high = torch.tensor([True, False, True, True])
+    logp = ratio.log().requires_grad_(True)
+    loss, _ = entropy_balanced_surrogate(logp, torch.zeros(4, dtype=torch.float64), adv, high,
+                                         EPS, EPS, rescue="positive")
+    torch.testing.assert_close(loss.detach(), torch.tensor([-1.2, -1.2, 1.6, -1.1],
+                                                           dtype=torch.float64))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-1.2, 0.0, 0.0, -1.1],
                                                        dtype=torch.float64))
 
 
@@ -107,7 +123,8 @@ def test_quantile_one_is_ppo_exactly():
     assert torch.equal(aepo, ppo)
 
 
-@pytest.mark.parametrize("override", ["aepo.quantile=1.5", "aepo.alpha=-1", "aepo.eps_low=1"])
+@pytest.mark.parametrize("override", ["aepo.quantile=1.5", "aepo.alpha=-1", "aepo.eps_low=1",
+                                      "aepo.rescue=negative"])
 def test_bad_settings_fail(override):
     with pytest.raises(rlmix.ManifestError, match="aepo"):
         make_run({"aepo": rlmix_aepo}, [override])
@@ -128,27 +145,12 @@ def _entropy_run(plugins, overrides=(), steps=200, lr=0.5, seed=0):
     with torch.no_grad():
         toy.logits.copy_(torch.tensor([3.0, 0.0, 0.0, 1.0, 1.0, 1.0]).repeat(4, 1)
                          + 0.1 * torch.arange(4.0)[:, None] * torch.eye(6)[0])
-    opt = torch.optim.SGD(toy.parameters(), lr=lr)
-    rewards, rollouts = [], 0
-    for step in range(steps):
-        run.step = step
-        batch = toy.sample(4, 8)
-        rollouts += len(batch)
-        batch.rewards = (batch.tokens[:, 1:] < GOOD).float().mean(-1)
-        rewards.append(float(batch.rewards.mean()))
-        batch.advantages = run.hook.rlmix_advantage(run=run, batch=batch)
-        logp, entropy = toy.logprobs(batch)
-        norm = Normalizers(tokens=float(batch.completion_mask.sum()), sequences=float(len(batch)),
-                           norm_constant=4.0)
-        terms = run.hook.rlmix_clip(run=run, mb=Minibatch(batch=batch, normalizers=norm),
-                                    logp=logp, entropy=entropy)
-        opt.zero_grad()
-        ops.aggregate_loss(terms.loss, terms.mask, terms.mode, norm).backward()
-        opt.step()
+    rewards = toy_train(run, toy, lambda b: (b.tokens[:, 1:] < GOOD).float().mean(-1),
+                        steps=steps, lr=lr, optimizer="sgd", norm_constant=4.0)
     with torch.no_grad():
         table = torch.log_softmax(toy.logits, -1)
         final_entropy = float(-(table.exp() * table).sum(-1).mean())
-    return rewards, final_entropy, rollouts
+    return rewards, final_entropy, steps * 4 * 8
 
 
 def test_entropy_claim_is_not_met_on_a_toy_with_several_good_answers():

@@ -11,7 +11,7 @@ from rlmix_cispo import cispo_loss, is_weight
 
 import rlmix
 from rlmix import ops
-from rlmix.testing import ToyPolicy, make_batch, make_run
+from rlmix.testing import ToyPolicy, make_batch, make_run, toy_train
 from rlmix.testing.peers import completion_logprobs as _completion_logp
 from rlmix.testing.peers import pop_grads as _grads
 from rlmix.testing.peers import trl_grpo_trainer
@@ -166,29 +166,17 @@ class PPOClip:
         return rlmix.LossTerms(loss=loss, mask=b.completion_mask, mode="token-mean")
 
 
+def _group_normalized(batch):
+    centred = batch.rewards - ops.group_mean(batch.rewards, batch.group)
+    return centred / (ops.group_std(batch.rewards, batch.group) + 1e-6)
+
+
 def _train_reused(run, policy, steps=10, updates=8, lr=2.0):
     """Each batch is reused for ``updates`` SGD steps (ratios drift from 1, so clipping bites);
     returns each step's mean reward (the fraction of zeros, as in the GRPO test)."""
-    opt = torch.optim.SGD(policy.parameters(), lr=lr)
-    history = []
-    for _ in range(steps):
-        batch = policy.sample(4, 8)
-        batch.rewards = (batch.tokens[:, 1:] == 0).float().mean(-1)
-        history.append(float(batch.rewards.mean()))
-        centred = batch.rewards - ops.group_mean(batch.rewards, batch.group)
-        batch.advantages = centred / (ops.group_std(batch.rewards, batch.group) + 1e-6)
-        normalizers = Normalizers(tokens=float(batch.completion_mask.sum()),
-                                  sequences=float(len(batch)), norm_constant=4.0)
-        for _ in range(updates):
-            logp, entropy = policy.logprobs(batch)
-            terms = run.hook.rlmix_clip(run=run, mb=Minibatch(batch=batch,
-                                                              normalizers=normalizers),
-                                        logp=logp, entropy=entropy)
-            loss = ops.aggregate_loss(terms.loss, terms.mask, terms.mode, normalizers)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return history
+    return toy_train(run, policy, lambda b: (b.tokens[:, 1:] == 0).float().mean(-1),
+                     steps=steps, lr=lr, epochs=updates, optimizer="sgd",
+                     advantage=_group_normalized, norm_constant=4.0)
 
 
 def test_reused_batches_teach_more_under_cispo_than_under_ppo_clipping():

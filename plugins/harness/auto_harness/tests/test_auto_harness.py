@@ -27,7 +27,7 @@ from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
 from rlmix import cli, loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix.testing import load_script, make_run, skip_unless_installed
 from rlmix.testing.harness import HintEnv, hint_plugins, hint_reflection
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -271,13 +271,7 @@ def test_example_manifest_runs_two_steps_with_tiny_random(tmp_path):
 
 
 def load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("harness_stream", ROOT / "bench" /
-                                                  "harness_stream.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "bench" / "harness_stream.py")
 
 
 def test_bench_summary_and_table_by_hand():
