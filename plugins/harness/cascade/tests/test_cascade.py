@@ -5,17 +5,15 @@ similar case misleads (LinUCB against nearest-case retrieval, same stream, same 
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import pytest
 import rlmix_cascade as ca
 import torch
-from omegaconf import OmegaConf
 
 import rlmix
-from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix import loop
+from rlmix.testing import example_resumes, make_run
 from rlmix.testing.memory_worlds import CaseEnv, CaseModel, Family
 
 EXAMPLE = ca.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/cascade-arith.yaml"
@@ -191,18 +189,6 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
-    skip_unless_installed(EXAMPLE)
-    cfg = OmegaConf.load(EXAMPLE)
-    assert cfg.model == "tiny-random" and "cascade" in cfg.plugins
-    out = tmp_path / "ex"
-    args = ["run", EXAMPLE, "arith.eval_size=4", "arith.eval_max_new_tokens=4",
-            "sampling.max_new_tokens=4", "log.progress=false", "log.plot=false",
-            "train.prompts_per_step=2", "train.eval_every=0", "train.checkpoint_every=1",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=1"]) == 0
-    assert cli.main([*args, "train.steps=2", "--resume"]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2] and "cascade/cases" in rows[-1]
-    state = torch.load(checkpoint.latest(out / "checkpoints") / "state.pt", weights_only=False)
+    rows, state = example_resumes(EXAMPLE, tmp_path / "ex", "cascade", eval_size=4)
+    assert "cascade/cases" in rows[-1]
     assert state["cascade"]["steps"] == 2

@@ -7,18 +7,15 @@ per-prompt wrapper, resume, settings and the example manifest."""
 from __future__ import annotations
 
 import copy
-import json
 import random
 
 import pytest
 import rlmix_evolve_mem as em
-import torch
-from omegaconf import OmegaConf
 from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
-from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix import loop
+from rlmix.testing import example_resumes, make_run
 from rlmix.testing.harness import HINTS, HintEnv, harness_words, hint_plugins
 
 EXAMPLE = em.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/evolve_mem-arith.yaml"
@@ -275,20 +272,8 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
-    skip_unless_installed(EXAMPLE)
-    cfg_ = OmegaConf.load(EXAMPLE)
-    assert cfg_.model == "tiny-random" and "evolve_mem" in cfg_.plugins
-    out = tmp_path / "ex"
-    args = ["run", EXAMPLE, "arith.eval_size=4", "arith.eval_max_new_tokens=4",
-            "sampling.max_new_tokens=4", "evolve_mem.max_new_tokens=4",
-            "evolve_mem.eval_size=2", "log.progress=false", "log.plot=false",
-            "train.prompts_per_step=2", "train.eval_every=0", "train.checkpoint_every=1",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=1"]) == 0
-    assert cli.main([*args, "train.steps=2", "--resume"]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows, state = example_resumes(EXAMPLE, tmp_path / "ex", "evolve_mem",
+                                  ["evolve_mem.max_new_tokens=4", "evolve_mem.eval_size=2"],
+                                  eval_size=4)
     assert rows[-1]["evolve_mem/memory"] == 4 and rows[-1]["evolve_mem/metric_calls"] >= 4
-    state = torch.load(checkpoint.latest(out / "checkpoints") / "state.pt", weights_only=False)
     assert state["evolve_mem"]["round"] == 2

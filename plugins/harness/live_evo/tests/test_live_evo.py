@@ -12,13 +12,12 @@ from collections import Counter
 
 import pytest
 import rlmix_live_evo as le
-from omegaconf import OmegaConf
 from rlmix_harness import feedback_text
 from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
-from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix import loop
+from rlmix.testing import example_resumes, make_run
 from rlmix.testing.harness import HintEnv, harness_words, hint_plugins
 
 EXAMPLE = le.__file__.rsplit("/plugins/", 1)[0] + "/examples/harness/live_evo-arith.yaml"
@@ -269,23 +268,7 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
-    skip_unless_installed(EXAMPLE)
-    cfg = OmegaConf.load(EXAMPLE)
-    assert cfg.model == "tiny-random" and "live_evo" in cfg.plugins
-    out = tmp_path / "ex"
-    args = ["run", EXAMPLE, "arith.eval_size=4", "arith.eval_max_new_tokens=4",
-            "sampling.max_new_tokens=4", "live_evo.max_new_tokens=4", "log.progress=false",
-            "log.plot=false", "train.prompts_per_step=2", "train.eval_every=0",
-            "train.checkpoint_every=1", f"out={out}"]
-    assert cli.main([*args, "train.steps=1"]) == 0
-    assert cli.main([*args, "train.steps=2", "--resume"]) == 0
-    import json
-
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows, state = example_resumes(EXAMPLE, tmp_path / "ex", "live_evo",
+                                  ["live_evo.max_new_tokens=4"], eval_size=4)
     assert rows[-1]["live_evo/experiences"] >= 1 and rows[-1]["policy_version"] == 0
-    import torch
-
-    state = torch.load(checkpoint.latest(out / "checkpoints") / "state.pt", weights_only=False)
     assert state["live_evo"]["steps"] == 2

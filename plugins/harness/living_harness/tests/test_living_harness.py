@@ -6,17 +6,14 @@ episodes, same turn limit)."""
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import rlmix_living_harness as lh
-import torch
-from omegaconf import OmegaConf
 from rlmix_lm.chat_server import ScriptedLM
 
 import rlmix
-from rlmix import checkpoint, cli, loop
-from rlmix.testing import make_run, skip_unless_installed
+from rlmix import loop
+from rlmix.testing import example_resumes, make_run
 from rlmix.testing.memory_worlds import (
     ScriptedAgentEngine,
     Workflow,
@@ -238,18 +235,7 @@ def test_settings_errors_name_the_key(override, key):
 
 
 def test_example_manifest_runs_and_resumes(tmp_path):
-    skip_unless_installed(EXAMPLE)
-    cfg = OmegaConf.load(EXAMPLE)
-    assert cfg.model == "tiny-random" and "living_harness" in cfg.plugins
-    out = tmp_path / "ex"
-    args = ["run", EXAMPLE, "tools.eval_size=2", "tools.eval_max_new_tokens=8",
-            "sampling.max_new_tokens=8", "log.progress=false", "log.plot=false",
-            "train.prompts_per_step=2", "train.eval_every=0", "train.checkpoint_every=1",
-            f"out={out}"]
-    assert cli.main([*args, "train.steps=1"]) == 0
-    assert cli.main([*args, "train.steps=2", "--resume"]) == 0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in rows] == [1, 2] and "living_harness/edges" in rows[-1]
-    state = torch.load(checkpoint.latest(out / "checkpoints") / "state.pt", weights_only=False)
+    rows, state = example_resumes(EXAMPLE, tmp_path / "ex", "living_harness", env="tools",
+                                  tokens=8)
+    assert "living_harness/edges" in rows[-1]
     assert state["living_harness"]["steps"] == 2
