@@ -28,8 +28,9 @@ class Settings:
     eps_high: float = 0.2
     quantile: float = 0.8  # high-entropy tokens: entropy >= this quantile; 1 = none (PPO)
     alpha: float = 0.5  # entropy-aware advantage: A (1 + alpha * H / max H) on those tokens
-    rescue: str = "both"  # where clipped high tokens keep a gradient: both bounds, or positive
-    # advantages only (the clip-higher side; a variant, not the paper's reading)
+    # Where clipped high-entropy tokens keep a gradient: "both" bounds (the paper's reading),
+    # or "positive" advantages only (the clip-higher side; a variant).
+    rescue: str = "both"
     loss_mode: str = "seq-mean-token-mean"
     old_logp: str = "auto"
 
