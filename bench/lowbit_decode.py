@@ -1,22 +1,23 @@
 """Decode speed of the sampler copies of lowbit_rollout against their weight-bandwidth floors.
 
     OMP_NUM_THREADS=1 nice -n 10 python bench/lowbit_decode.py [--model smollm2-135m]
-        [--rows 1 8] [--tokens 128] [--variants fp32 bf16 int8 int8-bf16head int8-dynamic]
+        [--rows 1 8] [--tokens 128] [--variants fp32 bf16 int8-dynamic int8-w8a8 ...]
     python bench/lowbit_decode.py --model tiny-random --tokens 8     # plumbing only
 
-For each sampler copy (``fp32``: the master itself; ``bf16``; ``int8``: weight-only int8 linears
-and an int8 LM head; ``int8-bf16head``: the same with a bf16 LM head; ``int8-dynamic``: fbgemm's
-dynamic int8 linears), the engine's own decode loop (``rlmix.sampling.sample_tokens``, KV cache,
-temperature 1, no early stop) samples ``tokens`` new tokens for ``rows`` rows sharing one prompt
-(a GRPO group). Decode time = time(``tokens``) - time(1 token), which removes the prefill; tokens/s
-= rows x (tokens - 1) / decode time. The floor of a decode step is the weight bytes it must read
-(every weight but the input embedding table; ``LowbitWeights.weight_bytes``) over the memory
-bandwidth measured in the same run (a 256 MiB tensor copy, read + write). Prints tokens/s, the
-ratio to fp32, ms per step against the floor, and the copy's refresh time (re-casting or
-re-quantising every weight from the fp32 master, as after an optimizer step). Wall and CPU
-(process) time are both reported (on a shared machine CPU time is the steadier measure: it
-leaves out the time the process waited for a core); the variants take turns within each rows
-setting, and the machine's load average is printed before and after.
+For each sampler copy (``fp32``: the master itself; ``bf16``; ``int8``: weight-only int8 linears and
+an int8 LM head; ``int8-bf16head``: the same with a bf16 LM head; ``int8-dynamic``: fbgemm's dynamic
+int8 linears; ``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token,
+calibrated by the warm-up's prefill; ``int8-w8a8-bf16head``: the same, bf16 head), the engine's own
+decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early stop) samples
+``tokens`` new tokens for ``rows`` rows sharing one prompt (a GRPO group). Decode time =
+time(``tokens``) - time(1 token), which removes the prefill; tokens/s = rows x (tokens - 1) / decode
+time. The floor of a decode step is the weight bytes it must read (every weight but the input
+embedding table; ``LowbitWeights.weight_bytes``) over the memory bandwidth measured in the same run
+(a 256 MiB tensor copy, read + write). Prints tokens/s, the ratio to fp32, ms per step against the
+floor, and the copy's refresh time (re-casting or re-quantising every weight from the fp32 master,
+as after an optimizer step). Wall and CPU (process) time are both reported (on a shared machine CPU
+time is the steadier measure: it leaves out the time the process waited for a core); the variants
+take turns within each rows setting, and the machine's load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ VARIANTS = {  # name: (precision, lm_head, int8_kernel)
     "int8": ("int8", "auto", "weight_only"),
     "int8-bf16head": ("int8", "bf16", "weight_only"),
     "int8-dynamic": ("int8", "auto", "dynamic"),
+    "int8-w8a8": ("int8", "auto", "w8a8"),
+    "int8-w8a8-bf16head": ("int8", "bf16", "w8a8"),
 }
 
 

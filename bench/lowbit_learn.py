@@ -57,9 +57,14 @@ CONFIGS: dict[str, tuple[list[str], list[str]]] = {  # name: (extra plugins, ove
     "int8dyn-tis": (["lowbit_rollout", "rollout_correction"],
                     ["lowbit_rollout.precision=int8", "lowbit_rollout.int8_kernel=dynamic",
                      *TIS]),
+    "int8w8a8": (["lowbit_rollout"], ["lowbit_rollout.precision=int8",
+                                      "lowbit_rollout.int8_kernel=w8a8"]),
+    "int8w8a8-tis": (["lowbit_rollout", "rollout_correction"],
+                     ["lowbit_rollout.precision=int8", "lowbit_rollout.int8_kernel=w8a8",
+                      *TIS]),
 }
 DEFAULT_CONFIGS = ["fp32", "bf16", "bf16-tis", "int8", "int8-tis", "int8dyn", "int8dyn-tis",
-                   "fp32-tis"]
+                   "int8w8a8", "int8w8a8-tis", "fp32-tis"]
 
 
 def overrides(args: argparse.Namespace, config: str, seed: int, out: Path) -> list[str]:

@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --precision bf16: keep rlmix's LM head in fp32 (rlmix's default)")
     ap.add_argument("--sampler", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="rlmix's sampler weights (lowbit_rollout); TRL samples with its model")
-    ap.add_argument("--int8-kernel", default="weight_only", choices=["weight_only", "dynamic"])
+    ap.add_argument("--int8-kernel", default="weight_only",
+                    choices=["weight_only", "dynamic", "w8a8"])
     ap.add_argument("--sampler-head", default="auto", choices=["auto", "fp32", "bf16", "int8"])
     ap.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for both workers")
     ap.add_argument("--profile", action="store_true", help="rlmix phase breakdown")

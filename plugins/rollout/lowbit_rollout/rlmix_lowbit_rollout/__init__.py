@@ -36,8 +36,10 @@ __all__ = ["CastLinear", "Int8Linear", "LowbitWeights", "Settings", "mismatch_me
 class Settings:
     precision: str = "bf16"  # sampler weights: fp32 (the master itself) | bf16 | int8
     # int8 linears: weight_only (int8 weights x bf16 activations, torch._weight_int8pack_mm) |
-    # dynamic (int8 weights x activations quantised per call, fbgemm, fp32 in and out)
+    # dynamic (int8 weights x activations quantised per call, one scale per tensor, fbgemm) |
+    # w8a8 (SmoothQuant-smoothed int8 weights x activations quantised per token, torch._int_mm)
     int8_kernel: str = "weight_only"
+    smooth_alpha: float = 0.5  # w8a8: SmoothQuant's migration strength (0: none, 1: all)
     lm_head: str = "auto"  # the LM head: auto (the copy's precision) | fp32 | bf16 | int8
     metrics: bool = True  # log the rollout-training mismatch every step
 
@@ -46,6 +48,8 @@ class Settings:
         if self.precision == "fp32" and self.lm_head not in ("auto", "fp32"):
             raise ValueError(f"lm_head: {self.lm_head!r} needs a low-precision copy; precision "
                              f"fp32 samples with the master model itself (lm_head auto)")
+        if not 0.0 <= self.smooth_alpha <= 1.0:
+            raise ValueError(f"smooth_alpha: {self.smooth_alpha} is outside [0, 1]")
         if self.precision != "int8" and self.int8_kernel != "weight_only":
             raise ValueError(f"int8_kernel: {self.int8_kernel!r} applies to precision int8 only "
                              f"(precision is {self.precision!r})")
@@ -118,7 +122,7 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     s: Settings = run.settings(NAME)
     if s.precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
-    return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel)
+    return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha)
 
 
 @rlmix.hookimpl(wrapper=True)

@@ -5,7 +5,9 @@ weights with one scale per output row. Pure torch (CPU kernels of torch itself),
   (symmetric absmax: ``s = max|W_row| / 127``, ``q = round(W / s)``). Two kernels:
   ``weight_only`` (``torch._weight_int8pack_mm``: int8 weights, bf16 activations, fp32
   accumulation) and ``dynamic`` (fbgemm's ``quantized.linear_dynamic``: the activations are
-  quantised to 8 bits per call too, fp32 in and out).
+  quantised to 8 bits per call too, with one scale per tensor, fp32 in and out), and ``w8a8``
+  (SmoothQuant-smoothed weights and activations quantised per token, ``torch._int_mm``: see
+  ``Int8Linear.forward`` and ``LowbitWeights.calibrate``).
 * ``LowbitWeights``: the sampler copy (``rlmix.sampler_weights.SamplerWeights``) built from the
   master model without a second fp32 copy, and ``refresh(master)``, which re-casts or
   re-quantises every weight in place.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,9 +28,10 @@ from torch import nn
 from rlmix.sampler_weights import SamplerWeights
 
 PRECISIONS = ("fp32", "bf16", "int8")
-KERNELS = ("weight_only", "dynamic")
+KERNELS = ("weight_only", "dynamic", "w8a8")
 HEADS = ("auto", "fp32", "bf16", "int8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP32_KERNELS = ("dynamic", "w8a8")  # kernels that take fp32 activations
 _ROWS = 8192  # rows quantised at once (bounds the fp32 temporary of the LM head)
 
 
@@ -63,7 +68,7 @@ class Int8Linear(nn.Module):
             raise ValueError(f"int8 kernel {kernel!r} is not one of {', '.join(KERNELS)}")
         self.in_features, self.out_features = in_features, out_features
         self.kernel = kernel
-        self.act_dtype = torch.float32 if kernel == "dynamic" else act_dtype
+        self.act_dtype = torch.float32 if kernel in FP32_KERNELS else act_dtype
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                     device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=self.act_dtype,
@@ -71,10 +76,23 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=self.act_dtype, device=device)
                              if bias else None)
         self.packed: Any = None  # fbgemm's prepacked weight (dynamic kernel)
+        # w8a8: the SmoothQuant factor per input channel; the stored weight is W diag(smooth)
+        # and the input is divided by it, so the product is unchanged (ones until calibrated)
+        self.register_buffer("smooth", torch.ones(in_features, device=device)
+                             if kernel == "w8a8" else None)
+        self.register_buffer("inv_smooth", torch.ones(in_features, device=device)
+                             if kernel == "w8a8" else None)
+        self._int_mm = kernel == "w8a8" and hasattr(torch, "_int_mm")
+        # w8a8: a dict shared by the layers that read one input (q/k/v; gate/up), holding that
+        # input quantised once; set by LowbitWeights.calibrate (None: quantise per call)
+        self.shared_input: dict[str, Any] | None = None
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Quantise ``weight`` (``[out, in]``, any float dtype) into this layer, in place."""
+        """Quantise ``weight`` (``[out, in]``, any float dtype) into this layer, in place (under
+        ``w8a8``, ``weight diag(smooth)``)."""
+        if self.smooth is not None:
+            weight = weight.detach().float() * self.smooth
         q, scales = quantize_rows(weight, self.scales.dtype)
         self.scales.copy_(scales)
         if self.bias is not None and bias is not None:
@@ -92,16 +110,40 @@ class Int8Linear(nn.Module):
                     qw, None if self.bias is None else self.bias.float().cpu())
 
     def dequantized(self) -> torch.Tensor:
-        """The weight this layer multiplies by, ``q * s``, in fp32."""
+        """The weight this layer multiplies by, ``q * s`` (under ``w8a8`` with the smoothing
+        undone), in fp32."""
         if self.kernel == "dynamic":
             return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
-        return self.qweight.float() * self.scales.float()[:, None]
+        w = self.qweight.float() * self.scales.float()[:, None]
+        return w * self.inv_smooth if self.smooth is not None else w
+
+    @torch.no_grad()
+    def set_smoothing(self, act_absmax: torch.Tensor,
+                      weight: torch.Tensor | Sequence[torch.Tensor], alpha: float) -> None:
+        """SmoothQuant's factor per input channel ``j``: ``s_j = max|X_j|^alpha /
+        max|W_:j|^(1 - alpha)``, from the calibration inputs' absolute maxima ``act_absmax``
+        (``[in]``) and the master ``weight`` (or the weights of every layer that reads the same
+        input, which must share the factors to share one quantised input); channels never
+        active keep ``s_j = 1``. Dividing the input by ``s`` and multiplying the weight's
+        columns by it moves the outlier channels' range from the activations (quantised per
+        token) into the weights (quantised per output row). Call ``load`` afterwards."""
+        if self.smooth is None:
+            raise ValueError(f"smoothing applies to the w8a8 kernel, not {self.kernel!r}")
+        ws = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+        w = torch.stack([t.detach().float().abs().amax(0) for t in ws]).amax(0).clamp(min=1e-8)
+        a = act_absmax.detach().float().to(self.smooth.device)
+        s = (a.clamp(min=1e-8) ** alpha / w.to(a.device) ** (1.0 - alpha)).clamp(1e-4, 1e4)
+        s = torch.where(a > 0, s, torch.ones_like(s))
+        self.smooth.copy_(s)
+        self.inv_smooth.copy_(1.0 / s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "dynamic" and x2.device.type == "cpu":
             y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, True)
+        elif self.kernel == "w8a8":
+            y = self._w8a8(x, x2)
         elif self.kernel == "weight_only" and x2.device.type == "cpu" and \
                 _packed_kernel_ok(self.in_features):
             y = torch._weight_int8pack_mm(x2.to(self.act_dtype).contiguous(), self.qweight,
@@ -112,6 +154,38 @@ class Int8Linear(nn.Module):
             w = (self.qweight.to(self.act_dtype) * self.scales[:, None]).to(self.act_dtype)
             y = F.linear(x2.to(self.act_dtype), w, self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def _quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x diag(1/smooth)`` (``[rows, in]``) quantised symmetrically to int8 with one scale
+        per row, i.e. per token, so a token with huge activations (e.g. the first of a prompt)
+        does not set the scale of the others. Returns ``(int8 values, row scales [rows, 1])``."""
+        x = x.float() * self.inv_smooth
+        row_scale = x.abs().amax(1, keepdim=True).clamp_(min=1e-8).div_(127.0)
+        return torch.round(x / row_scale), row_scale
+
+    def _w8a8(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """int8 input x int8 weight in int32, scaled back by row scale x weight-row scale. Layers
+        that read the same input tensor (q/k/v, gate/up: ``shared_input``, set at calibration,
+        with shared smoothing factors) quantise it once."""
+        cache = self.shared_input
+        if cache is not None and cache.get("x") is x and cache["version"] == x._version:
+            xq, row_scale = cache["xq"], cache["row_scale"]
+        else:
+            xq, row_scale = self._quantized_input(x2)
+            on_cpu = self._int_mm and x2.device.type == "cpu"
+            xq = xq.to(torch.int8) if on_cpu else xq
+            if cache is not None:
+                cache.update(x=x, version=x._version, xq=xq, row_scale=row_scale)
+        if xq.dtype == torch.int8:
+            try:
+                acc = torch._int_mm(xq, self.qweight.t())
+            except RuntimeError:  # a shape the int8 GEMM does not take: the float path
+                self._int_mm = False
+                acc = xq.float() @ self.qweight.t().float()
+        else:  # other devices: the same arithmetic in float (exact while |sums| < 2^24)
+            acc = xq @ self.qweight.t().float()
+        y = acc * (row_scale * self.scales)  # int32 x fp32 is fp32: one kernel
+        return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -149,12 +223,14 @@ class LowbitWeights(SamplerWeights):
     frequencies) are copied as they are. Built without a transient fp32 copy of the model."""
 
     def __init__(self, master: nn.Module, precision: str = "bf16", lm_head: str = "auto",
-                 int8_kernel: str = "weight_only") -> None:
+                 int8_kernel: str = "weight_only", smooth_alpha: float = 0.5) -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         self.precision, self.int8_kernel = precision, int8_kernel
+        self.smooth_alpha = smooth_alpha
+        self.calibrated = False
         self.head = resolve_head(precision, lm_head)
-        self.compute_dtype = (torch.float32 if precision == "int8" and int8_kernel == "dynamic"
+        self.compute_dtype = (torch.float32 if precision == "int8" and int8_kernel in FP32_KERNELS
                               else torch.bfloat16)
         self.version = -1
         head_module = master.get_output_embeddings() if hasattr(
@@ -222,6 +298,80 @@ class LowbitWeights(SamplerWeights):
                     continue
                 seen.add(id(dst))
                 self._plan.append((mname, pname, dst))
+        self.refresh(master)
+        self._calibration_hook = None
+        if any(m.smooth is not None for m in self._smoothed()):
+            # w8a8 calibrates on the first prompts it is run on (its first prefill)
+            master_ref = weakref.ref(master)
+
+            def calibrate_first(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                found = master_ref()
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if found is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                    self.calibrate(found, ids, kwargs.get("attention_mask"))
+
+            self._calibration_hook = clone.register_forward_pre_hook(calibrate_first,
+                                                                     with_kwargs=True)
+
+    def _smoothed(self) -> list[Int8Linear]:
+        return [m for m in self.model.modules() if isinstance(m, Int8Linear)
+                and m.smooth is not None]
+
+    @torch.no_grad()
+    def calibrate(self, master: nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> None:
+        """Set every w8a8 layer's SmoothQuant factors (``Int8Linear.set_smoothing``, alpha
+        ``smooth_alpha``) from the fp32 master's inputs to that layer on ``input_ids`` (padding
+        left out), then re-quantise. Runs once, on the copy's first forward; later refreshes
+        keep the factors (the weights move by a learning rate's worth per step)."""
+        if self._calibration_hook is not None:
+            self._calibration_hook.remove()
+            self._calibration_hook = None
+        names = {n for n, m in self.model.named_modules()
+                 if isinstance(m, Int8Linear) and m.smooth is not None}
+        keep = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        absmax: dict[str, torch.Tensor] = {}
+        readers: dict[int, list[str]] = {}  # id of an input tensor: the layers that read it
+        inputs: list[torch.Tensor] = []  # held so that no id is reused during the forward
+        hooks = []
+        for name, module in master.named_modules():
+            if name not in names:
+                continue
+
+            def record(mod: nn.Module, args: tuple, name: str = name) -> None:
+                inputs.append(args[0])
+                readers.setdefault(id(args[0]), []).append(name)
+                x = args[0].detach().reshape(-1, args[0].shape[-1])
+                if keep is not None and len(keep) == len(x):
+                    x = x[keep.to(x.device)]
+                a = x.float().abs().amax(0)
+                absmax[name] = torch.maximum(absmax[name], a) if name in absmax else a
+
+            hooks.append(module.register_forward_pre_hook(record))
+        try:
+            master(input_ids=input_ids, attention_mask=attention_mask)
+        finally:
+            for h in hooks:
+                h.remove()
+        groups: dict[str, list[str]] = {name: [name] for name in absmax}
+        for group in readers.values():  # layers that read one tensor share factors and input
+            members = sorted(set(group))
+            for name in members:
+                if len(members) > len(groups[name]):
+                    groups[name] = members
+        done: set[str] = set()
+        for name, members in groups.items():
+            if name in done:
+                continue
+            a = torch.stack([absmax[m] for m in members]).amax(0)
+            weights = [master.get_submodule(m).weight for m in members]
+            shared: dict[str, Any] | None = {} if len(members) > 1 else None
+            for m in members:
+                layer = self.model.get_submodule(m)
+                layer.set_smoothing(a, weights, self.smooth_alpha)
+                layer.shared_input = shared
+                done.add(m)
+        self.calibrated = True
         self.refresh(master)
 
     @torch.no_grad()

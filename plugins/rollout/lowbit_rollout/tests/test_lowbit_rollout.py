@@ -92,7 +92,7 @@ def test_the_copy_has_the_chosen_kind_and_dtype() -> None:
 def test_int8_linear_matches_the_fp32_linear_on_random_inputs() -> None:
     g = torch.Generator().manual_seed(0)
     for kernel, inner in (("weight_only", 64), ("weight_only", 24), ("dynamic", 64),
-                          ("dynamic", 24)):
+                          ("dynamic", 24), ("w8a8", 64), ("w8a8", 24)):
         ref = torch.nn.Linear(inner, 48)
         with torch.no_grad():
             ref.weight.copy_(torch.randn(48, inner, generator=g))
@@ -136,6 +136,103 @@ def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_pat
         for a, b in zip(weights.model.model.norm.parameters(),
                         run.policy.model.model.norm.parameters()):
             assert torch.equal(a, b.detach().to(a.dtype))
+
+
+def _outlier_layer(kernel: str, inner: int = 64) -> tuple[torch.nn.Linear, Int8Linear]:
+    g = torch.Generator().manual_seed(1)
+    ref = torch.nn.Linear(inner, 32, bias=False)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(32, inner, generator=g))
+    q = Int8Linear(inner, 32, False, kernel)
+    q.load(ref.weight)
+    return ref, q
+
+
+def _rel(y: torch.Tensor, want: torch.Tensor) -> float:
+    return float((y - want).norm() / want.norm())
+
+
+def test_w8a8_scales_each_token_on_its_own() -> None:
+    """A prompt's first token can carry activations 100x the others' (the "massive
+    activations" of small LMs). One scale per tensor (``dynamic``) then rounds the other tokens
+    to a few levels; one scale per token (``w8a8``) leaves them as accurate as alone."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 64, generator=g)
+    x[0] *= 300.0  # one loud token among six
+    errors = {}
+    for kernel in ("dynamic", "w8a8"):
+        ref, q = _outlier_layer(kernel)
+        errors[kernel] = _rel(q(x)[1:].float(), ref(x)[1:].detach())  # the quiet tokens
+    assert errors["w8a8"] < 0.02, errors
+    assert errors["dynamic"] > 5 * errors["w8a8"], errors
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
+    """Outlier *channels* (one input feature large in every token) defeat per-token scales too;
+    SmoothQuant's factor ``s_j = max|X_j|^a / max|W_j|^(1-a)`` divides them out of the
+    activations and into the weight columns, and the product is unchanged."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=g)
+    x[:, 5] *= 200.0
+    x[:, 40] *= 80.0
+    ref, q = _outlier_layer("w8a8")
+    plain = _rel(q(x).float(), ref(x).detach())
+    q.set_smoothing(x.abs().amax(0), ref.weight, alpha=0.5)
+    q.load(ref.weight)
+    smoothed = _rel(q(x).float(), ref(x).detach())
+    assert smoothed < plain / 3, (plain, smoothed)
+    assert smoothed < 0.02
+    s = q.smooth
+    assert float(s[5]) > float(s[40]) > float(s.median())  # the loud channels get the most
+    # the weight the layer multiplies by is still the master's, up to each row's half step / s
+    bound = q.scales.float()[:, None] / (2 * s[None, :]) + 1e-6
+    assert bool(((q.dequantized() - ref.weight).abs() <= bound).all())
+    with pytest.raises(ValueError, match="w8a8"):
+        _outlier_layer("dynamic")[1].set_smoothing(x.abs().amax(0), ref.weight, 0.5)
+
+
+def test_w8a8_copy_calibrates_on_its_first_prompts_and_keeps_the_factors() -> None:
+    master, _ = tiny_random()
+    _scaled(master)
+    copy = LowbitWeights(master, "int8", int8_kernel="w8a8")
+    up = copy.model.model.layers[0].mlp.up_proj
+    assert up.kernel == "w8a8" and not copy.calibrated
+    assert torch.equal(up.smooth, torch.ones_like(up.smooth))  # ones until calibrated
+    ids = torch.randint(0, master.config.vocab_size, (2, 7), generator=torch.Generator()
+                        .manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: left out of the statistics
+    with torch.no_grad():
+        out = copy.model(input_ids=ids, attention_mask=mask).logits
+        want = master(input_ids=ids, attention_mask=mask).logits
+    assert copy.calibrated and not torch.equal(up.smooth, torch.ones_like(up.smooth))
+    assert _rel(out[1].float(), want[1]) < 0.05
+    # layers reading one input share its factors and quantise it once; o_proj reads its own
+    attn = copy.model.model.layers[0].self_attn
+    assert attn.q_proj.shared_input is attn.k_proj.shared_input is attn.v_proj.shared_input
+    assert attn.q_proj.shared_input is not None and attn.o_proj.shared_input is None
+    assert torch.equal(attn.q_proj.smooth, attn.v_proj.smooth)
+    assert up.shared_input is copy.model.model.layers[0].mlp.gate_proj.shared_input
+    shared = [(m, m.shared_input) for m in copy.model.modules() if isinstance(m, Int8Linear)]
+    for m, _ in shared:
+        m.shared_input = None
+    with torch.no_grad():  # quantising once per input is the same arithmetic as per layer
+        alone = copy.model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(alone, out)
+    for m, cache in shared:
+        m.shared_input = cache
+    factors = up.smooth.clone()
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(1.01)
+    copy.refresh(master)  # re-quantised with the same factors
+    assert torch.equal(up.smooth, factors)
+    w = master.model.layers[0].mlp.up_proj.weight.detach()
+    bound = up.scales.float()[:, None] / (2 * up.smooth[None, :]) + 1e-6
+    assert bool(((up.dequantized() - w).abs() <= bound).all())
+    with torch.no_grad():  # the second forward does not calibrate again
+        copy.model(input_ids=ids[:, :3])
+    assert torch.equal(up.smooth, factors)
 
 
 # ---------------------------------------------------------------- mismatch metrics
@@ -205,6 +302,7 @@ def test_the_async_worker_samples_with_this_copy(tmp_path: Path) -> None:
     ("lm_head=int4", r"lowbit_rollout\.lm_head"),
     ("int8_kernel=fbgemm", r"lowbit_rollout\.int8_kernel"),
     ("int8_kernel=dynamic", r"applies to precision int8 only"),
+    ("smooth_alpha=1.5", r"smooth_alpha"),
 ])
 def test_bad_settings_fail_clearly(override: str, match: str) -> None:
     with pytest.raises(ManifestError, match=match):
