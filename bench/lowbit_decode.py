@@ -4,11 +4,13 @@
         [--rows 1 8] [--tokens 128] [--variants fp32 bf16 int8-dynamic int8-w8a8 ...]
     python bench/lowbit_decode.py --model tiny-random --tokens 8     # plumbing only
 
-For each sampler copy (``fp32``: the master itself; ``bf16``; ``int8``: weight-only int8 linears and
-an int8 LM head; ``int8-bf16head``: the same with a bf16 LM head; ``int8-dynamic``: fbgemm's dynamic
-int8 linears; ``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token,
-calibrated by the warm-up's prefill; ``int8-w8a8-bf16head``: the same, bf16 head), the engine's own
-decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early stop) samples
+For each sampler copy (``fp32``: the master itself; ``bf16``: plain ``F.linear`` on bf16 weights;
+``bf16-packed``: every bf16 linear pre-packed for oneDNN, ``lowbit_rollout.prepack``, the default;
+``int8``: weight-only int8 linears and an int8 LM head; ``int8-bf16head``: the same with a bf16 LM
+head, ``int8-packedhead`` with a pre-packed one; ``int8-dynamic``: fbgemm's dynamic int8 linears;
+``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token, calibrated by
+the warm-up's prefill; ``int8-w8a8-bf16head`` / ``-packedhead``: the same, bf16 head), the engine's
+own decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early stop) samples
 ``tokens`` new tokens for ``rows`` rows sharing one prompt (a GRPO group). Decode time =
 time(``tokens``) - time(1 token), which removes the prefill; tokens/s = rows x (tokens - 1) / decode
 time. The floor of a decode step is the weight bytes it must read (every weight but the input
@@ -36,14 +38,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "rollout" / "lowbit_rollout"))  # uninstalled checkouts
 
-VARIANTS = {  # name: (precision, lm_head, int8_kernel)
-    "fp32": ("fp32", "auto", "weight_only"),
-    "bf16": ("bf16", "auto", "weight_only"),
-    "int8": ("int8", "auto", "weight_only"),
-    "int8-bf16head": ("int8", "bf16", "weight_only"),
-    "int8-dynamic": ("int8", "auto", "dynamic"),
-    "int8-w8a8": ("int8", "auto", "w8a8"),
-    "int8-w8a8-bf16head": ("int8", "bf16", "w8a8"),
+VARIANTS = {  # name: (precision, lm_head, int8_kernel, prepack)
+    "fp32": ("fp32", "auto", "weight_only", False),
+    "bf16": ("bf16", "auto", "weight_only", False),
+    "bf16-packed": ("bf16", "auto", "weight_only", True),
+    "int8": ("int8", "auto", "weight_only", False),
+    "int8-bf16head": ("int8", "bf16", "weight_only", False),
+    "int8-packedhead": ("int8", "bf16", "weight_only", True),
+    "int8-dynamic": ("int8", "auto", "dynamic", False),
+    "int8-w8a8": ("int8", "auto", "w8a8", False),
+    "int8-w8a8-bf16head": ("int8", "bf16", "w8a8", False),
+    "int8-w8a8-packedhead": ("int8", "bf16", "w8a8", True),
 }
 
 
@@ -107,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     bw = bandwidth()
     copies: dict[str, tuple[Any, int, float]] = {}  # name: (model, weight bytes, refresh s)
     for name in args.variants:
-        precision, head, kernel = VARIANTS[name]
+        precision, head, kernel, prepack = VARIANTS[name]
         if precision == "fp32":
             copies[name] = (master, fp32_weight_bytes(master), 0.0)
             continue
-        weights = LowbitWeights(master, precision, head, kernel)
+        weights = LowbitWeights(master, precision, head, kernel, prepack=prepack)
         t = time.perf_counter()
         weights.refresh(master)
         copies[name] = (weights.model, weights.weight_bytes(), time.perf_counter() - t)

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from lowbit_decode import VARIANTS as DECODE_VARIANTS  # noqa: E402  (also finds the plugin)
 
-#: name: (precision, lm_head, int8_kernel): the decode bench's copies, and the dynamic kernel
-#: with a higher-precision head (does the head or the body carry the mismatch?)
-VARIANTS = {**DECODE_VARIANTS, "int8-dynamic-fp32head": ("int8", "fp32", "dynamic"),
-            "int8-dynamic-bf16head": ("int8", "bf16", "dynamic")}
+#: name: (precision, lm_head, int8_kernel, prepack): the decode bench's copies, and the dynamic
+#: kernel with a higher-precision head (does the head or the body carry the mismatch?)
+VARIANTS = {**DECODE_VARIANTS, "int8-dynamic-fp32head": ("int8", "fp32", "dynamic", False),
+            "int8-dynamic-bf16head": ("int8", "bf16", "dynamic", False)}
 
 
 def completion_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, start: int
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| sampler copy | mean abs dlogp / token | max | argmax agrees with fp32 | a sample |")
     print("| --- | --- | --- | --- | --- |")
     for name in args.variants:
-        precision, head, kernel = VARIANTS[name]
+        precision, head, kernel, prepack = VARIANTS[name]
         copy = master if precision == "fp32" else LowbitWeights(  # fp32: the master, 0
-            master, precision, lm_head=head, int8_kernel=kernel).model
+            master, precision, lm_head=head, int8_kernel=kernel, prepack=prepack).model
         r = mismatch(master, copy, tok, prompts, args.tokens, args.seed)
         sample = r["sample"].replace("\n", " ").replace("|", "/")[:60]
         print(f"| {name} | {r['mean']:.3f} | {r['max']:.2f} | {r['argmax_agree']:.3f} | "

@@ -9,6 +9,7 @@ the same model, prompts, seed and step count.
 Methods: ``grpo``; ``hdpo`` (grpo + ``opsd.hdpo``: cliff prompts regenerated with the answer in
 the prompt, correct ones distilled into the student under the plain prompt); ``osw_ft`` (SFT on
 the answer, each query weighted by 1 - its success rate from 2 inference-only rollouts);
+``sft`` (the same rows and rollouts with every weight 1: uniform SFT, OSW-FT's control);
 ``opsd`` (plain on-policy self-distillation from the answer-conditioned teacher, reward-free).
 Rollouts are counted by a wrapper on ``rlmix_generate`` during training steps (HDPO's
 privileged rollouts and OSW-FT's inference-only rollouts included; evaluation is not counted).
@@ -37,6 +38,8 @@ def method_overrides(name: str, group: int) -> tuple[list[str], list[str]]:
                                          f"opsd.hdpo.template={TEMPLATE}",
                                          f"opsd.hdpo.n_privileged={max(1, group // 2)}"]),
         "osw_ft": (["osw_ft"], ["train.group_size=2"]),
+        # the control OSW-FT is measured against: the same SFT rows and rollouts, every weight 1
+        "sft": (["osw_ft"], ["train.group_size=2", "osw_ft.weighting=uniform"]),
         "opsd": (["opsd"], [f"train.group_size={group}", f"opsd.template={TEMPLATE}",
                             "opsd.top_k=64"]),
     }
@@ -45,7 +48,7 @@ def method_overrides(name: str, group: int) -> tuple[list[str], list[str]]:
     return table[name]
 
 
-METHODS = ("grpo", "hdpo", "osw_ft", "opsd")
+METHODS = ("grpo", "hdpo", "osw_ft", "sft", "opsd")
 
 
 class Counter:

@@ -23,13 +23,23 @@ import rlmix
 from rlmix import ops
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
-from .quant import HEADS, KERNELS, PRECISIONS, CastLinear, Int8Linear, LowbitWeights
+from .quant import (
+    HEADS,
+    KERNELS,
+    PRECISIONS,
+    CastLinear,
+    Int8Linear,
+    LowbitWeights,
+    PackedLinear,
+    prepack_ok,
+)
 
 NAME = "lowbit_rollout"
 TRAIN_LOGP = "rollout_correction.train_logp"  # rollout_correction's step-start trainer logp
 _CLAMP = 20.0  # log-ratios clamped before exp (metrics only)
 
-__all__ = ["CastLinear", "Int8Linear", "LowbitWeights", "Settings", "mismatch_metrics"]
+__all__ = ["CastLinear", "Int8Linear", "LowbitWeights", "PackedLinear", "Settings",
+           "mismatch_metrics", "prepack_ok"]
 
 
 @dataclass
@@ -41,6 +51,9 @@ class Settings:
     int8_kernel: str = "weight_only"
     smooth_alpha: float = 0.5  # w8a8: SmoothQuant's migration strength (0: none, 1: all)
     lm_head: str = "auto"  # the LM head: auto (the copy's precision) | fp32 | bf16 | int8
+    # bf16 linears (and a bf16 head) hold their weight pre-packed for oneDNN, re-packed at each
+    # refresh: no per-call re-layout of the weight. CPU with native bf16 only; ignored elsewhere
+    prepack: bool = True
     metrics: bool = True  # log the rollout-training mismatch every step
 
     def __post_init__(self) -> None:
@@ -122,7 +135,8 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     s: Settings = run.settings(NAME)
     if s.precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
-    return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha)
+    return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
+                         s.prepack)
 
 
 @rlmix.hookimpl(wrapper=True)

@@ -8,6 +8,10 @@ weights with one scale per output row. Pure torch (CPU kernels of torch itself),
   quantised to 8 bits per call too, with one scale per tensor, fp32 in and out), and ``w8a8``
   (SmoothQuant-smoothed weights and activations quantised per token, ``torch._int_mm``: see
   ``Int8Linear.forward`` and ``LowbitWeights.calibrate``).
+* ``PackedLinear``: a bf16 linear whose weight is held pre-packed in oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, once per refresh), so a call runs the matmul
+  without re-laying the weight out first, which plain ``F.linear`` on a bf16 CPU tensor does on
+  every call; the outputs are the same as ``F.linear``'s. CPU only (``prepack_ok``).
 * ``LowbitWeights``: the sampler copy (``rlmix.sampler_weights.SamplerWeights``) built from the
   master model without a second fp32 copy, and ``refresh(master)``, which re-casts or
   re-quantises every weight in place.
@@ -192,6 +196,61 @@ class Int8Linear(nn.Module):
                 f"kernel={self.kernel}, bias={self.bias is not None}")
 
 
+def prepack_ok(device: Any) -> bool:
+    """Whether bf16 weights can be pre-packed for oneDNN on ``device``: a CPU, a torch built with
+    oneDNN, and a CPU with native bf16 (AVX512-BF16 / AMX) where oneDNN's bf16 path is fast."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    try:
+        return bool(hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+                    and ops._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """A frozen bf16 linear layer for the CPU whose weight lives only in oneDNN's pre-packed
+    layout (``packed``, an opaque tensor, not a parameter: nothing trains or saves it); ``load``
+    re-casts and re-packs a master weight. Input is cast to bf16, output is bf16."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: Any = None
+                 ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.packed: torch.Tensor | None = None
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=torch.bfloat16, device=device),
+                                  requires_grad=False) if bias else None)
+
+    @torch.no_grad()
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight of shape {tuple(weight.shape)} for a "
+                             f"{self.in_features}->{self.out_features} layer")
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias.detach())
+
+    def unpacked(self) -> torch.Tensor:
+        """The bf16 weight back in the ordinary layout (tests, inspection)."""
+        if self.packed is None:
+            raise RuntimeError("PackedLinear used before load()")
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("PackedLinear used before load()")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, layout=onednn-packed")
+
+
 class CastLinear(nn.Module):
     """A frozen linear layer whose weight is kept in its own dtype (an fp32 or bf16 LM head in a
     copy of another precision): the input is cast to it, the output stays in it."""
@@ -220,10 +279,14 @@ class LowbitWeights(SamplerWeights):
     """The sampler copy of ``master`` in ``precision`` (``bf16`` or ``int8``), its LM head in
     ``lm_head``; norms, embeddings and every other parameter in the copy's compute dtype (bf16,
     or fp32 under the ``dynamic`` int8 kernel, which takes fp32 activations). Buffers (rotary
-    frequencies) are copied as they are. Built without a transient fp32 copy of the model."""
+    frequencies) are copied as they are. Built without a transient fp32 copy of the model.
+    With ``prepack`` (and ``prepack_ok`` on the master's device) every bf16 linear, the LM head
+    included, is a ``PackedLinear``; a head tied to the input embeddings then has its own packed
+    copy beside the bf16 embedding table."""
 
     def __init__(self, master: nn.Module, precision: str = "bf16", lm_head: str = "auto",
-                 int8_kernel: str = "weight_only", smooth_alpha: float = 0.5) -> None:
+                 int8_kernel: str = "weight_only", smooth_alpha: float = 0.5,
+                 prepack: bool = True) -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         self.precision, self.int8_kernel = precision, int8_kernel
@@ -237,17 +300,20 @@ class LowbitWeights(SamplerWeights):
             master, "get_output_embeddings") else None
         names = {id(m): n for n, m in master.named_modules()}
         head_name = names.get(id(head_module)) if head_module is not None else None
-        replace: dict[str, str] = {}  # module name -> "int8" | "fp32" | "bf16" (a CastLinear)
+        device = next(master.parameters()).device
+        self.prepack = bool(prepack) and prepack_ok(device)
+        # module name -> "int8" | "packed" | "fp32" | "bf16" (the last two: a CastLinear)
+        replace: dict[str, str] = {}
         for name, module in master.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
-            if name == head_name:
-                if self.head == "int8":
-                    replace[name] = "int8"
-                elif DTYPES[self.head] != self.compute_dtype:
-                    replace[name] = self.head
-            elif precision == "int8":
+            kind = self.head if name == head_name else precision
+            if kind == "int8":
                 replace[name] = "int8"
+            elif kind == "bf16" and self.prepack:
+                replace[name] = "packed"
+            elif name == head_name and DTYPES[kind] != self.compute_dtype:
+                replace[name] = kind
         # placeholders for the master's parameters, so deepcopy allocates nothing in fp32: an
         # empty tensor where every owner is replaced, else one of the compute dtype
         owners: dict[int, list[str]] = {}
@@ -273,6 +339,8 @@ class LowbitWeights(SamplerWeights):
             if kind == "int8":
                 new_module: nn.Module = Int8Linear(old.in_features, old.out_features, bias,
                                                    int8_kernel, self.compute_dtype, device)
+            elif kind == "packed":
+                new_module = PackedLinear(old.in_features, old.out_features, bias, device)
             else:
                 new_module = CastLinear(old.in_features, old.out_features, bias, DTYPES[kind],
                                         device)
@@ -289,7 +357,7 @@ class LowbitWeights(SamplerWeights):
             for pname, p in module._parameters.items():
                 if p is None:
                     continue
-                if isinstance(target, Int8Linear):
+                if isinstance(target, (Int8Linear, PackedLinear)):
                     if pname == "weight":
                         self._plan.append((mname, "weight", target))
                     continue  # its bias is loaded with the weight
@@ -379,7 +447,7 @@ class LowbitWeights(SamplerWeights):
         for mname, pname, target in self._plan:
             module = master.get_submodule(mname) if mname else master
             src = module._parameters[pname]
-            if isinstance(target, Int8Linear):
+            if isinstance(target, (Int8Linear, PackedLinear)):
                 target.load(src, module._parameters.get("bias"))
             else:
                 target.copy_(src)
@@ -401,4 +469,6 @@ class LowbitWeights(SamplerWeights):
             if isinstance(m, Int8Linear):  # int8 weights (packed or not) and their scales
                 total += m.in_features * m.out_features
                 total += m.scales.numel() * m.scales.element_size()
+            elif isinstance(m, PackedLinear):  # bf16 weights in oneDNN's layout
+                total += m.in_features * m.out_features * 2
         return total

@@ -15,7 +15,7 @@ import rlmix_hf
 import rlmix_lowbit_rollout as lowbit
 import torch
 from rlmix_lowbit_rollout import Int8Linear, LowbitWeights, mismatch_metrics
-from rlmix_lowbit_rollout.quant import CastLinear, quantize_rows
+from rlmix_lowbit_rollout.quant import CastLinear, PackedLinear, prepack_ok, quantize_rows
 
 from rlmix import async_sampling, loop
 from rlmix.errors import ManifestError
@@ -57,7 +57,7 @@ def _run(tmp_path: Path, precision: str, *extra: str) -> Run:
 
 def test_the_copy_has_the_chosen_kind_and_dtype() -> None:
     master, _ = tiny_random()
-    bf16 = LowbitWeights(master, "bf16")
+    bf16 = LowbitWeights(master, "bf16", prepack=False)
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
     assert all(p.dtype == torch.float32 for p in master.parameters())  # the master untouched
     assert not any(p.requires_grad for p in bf16.model.parameters())
@@ -72,10 +72,10 @@ def test_the_copy_has_the_chosen_kind_and_dtype() -> None:
     assert int8.model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert int8.model.model.norm.weight.dtype == torch.bfloat16
 
-    head_bf16 = LowbitWeights(master, "int8", lm_head="bf16")
+    head_bf16 = LowbitWeights(master, "int8", lm_head="bf16", prepack=False)
     assert type(head_bf16.model.lm_head) is torch.nn.Linear
     assert head_bf16.model.lm_head.weight.dtype == torch.bfloat16
-    head_fp32 = LowbitWeights(master, "bf16", lm_head="fp32")
+    head_fp32 = LowbitWeights(master, "bf16", lm_head="fp32", prepack=False)
     assert isinstance(head_fp32.model.lm_head, CastLinear)
     assert head_fp32.model.lm_head.weight.dtype == torch.float32
 
@@ -87,6 +87,57 @@ def test_the_copy_has_the_chosen_kind_and_dtype() -> None:
     fp32_bytes = sum(p.numel() * 4 for p in master.parameters())
     assert bf16.weight_bytes() == pytest.approx(fp32_bytes / 2, rel=0.01)
     assert int8.weight_bytes() < 0.3 * fp32_bytes
+
+
+@pytest.mark.skipif(not prepack_ok("cpu"), reason="this CPU has no native bf16 for oneDNN")
+def test_prepacked_bf16_copy_computes_what_the_plain_bf16_copy_does() -> None:
+    master, _ = tiny_random()
+    _scaled(master)
+    plain = LowbitWeights(master, "bf16", prepack=False)
+    packed = LowbitWeights(master, "bf16")  # prepack is the default
+    assert packed.prepack and not plain.prepack
+    linears = [m for m in packed.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == sum(isinstance(m, torch.nn.Linear) for m in master.modules())
+    assert not any(type(m) is torch.nn.Linear for m in packed.model.modules())
+    # the tied head gets its own packed copy; the embedding table stays a bf16 parameter
+    assert isinstance(packed.model.lm_head, PackedLinear)
+    assert packed.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(packed.model.lm_head.unpacked(), master.lm_head.weight.bfloat16())
+    assert packed.weight_bytes() == plain.weight_bytes()
+    ids = torch.randint(0, master.config.vocab_size, (3, 9), generator=torch.Generator()
+                        .manual_seed(0))
+    with torch.no_grad():
+        want = plain.model(input_ids=ids).logits
+        got = packed.model(input_ids=ids).logits
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)  # the same kernel's sums
+        # a refresh re-packs: the copy follows the master, and a bias is carried
+        for p in master.parameters():
+            p.add_(0.05)
+        packed.refresh(master)
+        plain.refresh(master)
+        assert torch.equal(packed.model(input_ids=ids).logits, plain.model(input_ids=ids).logits)
+    layer = PackedLinear(16, 8, True)
+    with pytest.raises(RuntimeError, match="before load"):
+        layer(torch.zeros(2, 16))
+    ref = torch.nn.Linear(16, 8)
+    layer.load(ref.weight, ref.bias)
+    x = torch.randn(2, 3, 16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(
+        x.bfloat16(), ref.weight.detach().bfloat16(), ref.bias.detach().bfloat16()))
+    with pytest.raises(ValueError, match="shape"):
+        layer.load(torch.zeros(16, 8))
+
+
+def test_prepack_is_ignored_where_onednn_cannot_take_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlmix_lowbit_rollout import quant
+
+    monkeypatch.setattr(quant, "prepack_ok", lambda device: False)
+    master, _ = tiny_random()
+    copy = LowbitWeights(master, "bf16")
+    assert not copy.prepack
+    assert not any(isinstance(m, PackedLinear) for m in copy.model.modules())
+    assert copy.model.lm_head.weight is copy.model.model.embed_tokens.weight  # plain and tied
+    assert not prepack_ok("meta")  # never off the CPU
 
 
 def test_int8_linear_matches_the_fp32_linear_on_random_inputs() -> None:
@@ -111,13 +162,17 @@ def test_int8_linear_matches_the_fp32_linear_on_random_inputs() -> None:
     assert qw.tolist() == [[127, -64, 0], [0, 0, 0]] and scales[0] == pytest.approx(1 / 127)
 
 
+def _bf16_weight(layer: Any) -> torch.Tensor:
+    return layer.unpacked() if isinstance(layer, PackedLinear) else layer.weight.clone()
+
+
 def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_path: Path) -> None:
     for precision in ("bf16", "int8"):
         run = _run(tmp_path / precision, precision)
         weights = run.sampler_weights
         assert isinstance(weights, LowbitWeights) and weights.version == 0
         before = weights.model.model.layers[0].mlp.up_proj
-        before = (before.weight.clone() if precision == "bf16" else before.dequantized())
+        before = (_bf16_weight(before) if precision == "bf16" else before.dequantized())
         loop.train_step(run)
         assert run.policy_version == 1 and weights.version == 0  # refreshed at the next rollout
         run.sample(run.hook.rlmix_prompts(run=run, step=run.step))
@@ -127,8 +182,8 @@ def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_pat
         master = run.policy.model.model.layers[0].mlp.up_proj.weight.detach()
         copied = weights.model.model.layers[0].mlp.up_proj
         if precision == "bf16":
-            assert torch.equal(copied.weight, master.bfloat16())
-            assert not torch.equal(copied.weight, before)  # it moved with the master
+            assert torch.equal(_bf16_weight(copied), master.bfloat16())
+            assert not torch.equal(_bf16_weight(copied), before)  # it moved with the master
         else:
             err = (copied.dequantized() - master).abs()
             assert bool((err <= copied.scales.float()[:, None] / 2 + 1e-6).all())
