@@ -265,13 +265,17 @@ def plain_token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: full fp32 ``[n, t, V]`` logits, log-softmax, gather, entropy.
     ``matmul_dtype`` (bf16): the projection runs in that dtype (what autocast does to the LM
-    head, TRL's ``bf16=True``), its logits up-cast to fp32 before the log-softmax."""
-    weight = lm_head.weight
+    head, TRL's ``bf16=True``), its logits up-cast to fp32 before the log-softmax. A head without
+    a plain ``weight`` tensor (a sampler copy's pre-packed or int8 head) runs its own forward."""
+    weight = getattr(lm_head, "weight", None)
     bias = getattr(lm_head, "bias", None)
     dtype = torch.float32 if matmul_dtype is None else matmul_dtype
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype),
-                                            None if bias is None else bias.to(dtype)).float()
+        if isinstance(weight, torch.Tensor):
+            logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype),
+                                                None if bias is None else bias.to(dtype)).float()
+        else:  # a head with no plain weight (a sampler copy's packed or int8 head): its forward
+            logits = lm_head(hidden).float()
         if temperature != 1.0:
             logits = logits / temperature
         logz = torch.logsumexp(logits, -1)

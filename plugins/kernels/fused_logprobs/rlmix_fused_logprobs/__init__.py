@@ -66,9 +66,10 @@ def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch
     temperature``, fp32, with gradients to ``hidden`` and the head's weight and bias."""
     s = settings or Settings()
     backend = resolve_backend(s.backend, hidden)
-    if backend == "plain":
+    weight = getattr(lm_head, "weight", None)
+    if backend == "plain" or not isinstance(weight, torch.Tensor):
+        # no plain weight to chunk over (a sampler copy's packed or int8 head): its own forward
         return plain_token_logprobs(hidden, lm_head, labels, temperature)
-    weight = lm_head.weight
     bias = getattr(lm_head, "bias", None)
     if backend == "triton":
         from .triton_kernels import triton_token_logprobs

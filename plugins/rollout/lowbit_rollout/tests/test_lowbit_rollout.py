@@ -386,3 +386,33 @@ def test_the_example_manifest_runs(tmp_path: Path) -> None:
     for r in rows:
         assert r[f"{NAME}/logp_diff_abs_mean"] > 0
         assert "rollout_correction/ratio_mean" in r
+
+
+def test_log_probs_on_a_copy_whose_head_has_no_plain_weight() -> None:
+    """A rollout that scores with the policy's token log-probs on the sampler copy (the kit's
+    stand-in does) meets a packed or int8 head: the reference and the fused kernel both run
+    the head's own forward, and agree with the plain bf16 head's log-probs."""
+    from rlmix_fused_logprobs import token_logprobs
+
+    from rlmix.policy import plain_token_logprobs
+
+    master, _ = tiny_random()
+    _scaled(master)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 3, master.config.hidden_size, generator=g).bfloat16()
+    labels = torch.randint(0, master.config.vocab_size, (2, 3), generator=g)
+    plain = LowbitWeights(master, "bf16", prepack=False).model.lm_head
+    want, _ = plain_token_logprobs(hidden, plain, labels)  # fp32 projection
+    want_bf16, _ = plain_token_logprobs(hidden, plain, labels, matmul_dtype=torch.bfloat16)
+    heads = [LowbitWeights(master, "int8").model.lm_head]
+    if prepack_ok("cpu"):
+        heads.append(LowbitWeights(master, "bf16").model.lm_head)
+    for head in heads:
+        assert not isinstance(getattr(head, "weight", None), torch.Tensor)
+        for fn in (plain_token_logprobs, token_logprobs):
+            logp, ent = fn(hidden, head, labels)
+            assert logp.shape == labels.shape and bool(torch.isfinite(ent).all())
+            if isinstance(head, PackedLinear):  # a bf16 projection, as the packed kernel does
+                assert torch.equal(logp, want_bf16), fn
+            else:
+                assert float((logp - want).abs().max()) <= 0.05, fn
