@@ -110,7 +110,7 @@ def test_prepacked_bf16_copy_computes_what_the_plain_bf16_copy_does() -> None:
         want = plain.model(input_ids=ids).logits
         got = packed.model(input_ids=ids).logits
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)  # the same kernel's sums
-        # a refresh re-packs: the copy follows the master, and a bias is carried
+        # a refresh re-packs: the copy follows the master (biases: the single layer below)
         for p in master.parameters():
             p.add_(0.05)
         packed.refresh(master)
