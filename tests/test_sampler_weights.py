@@ -83,6 +83,74 @@ def test_rollouts_use_the_copy_and_it_is_refreshed_when_the_version_moves(tmp_pa
     assert not all(torch.equal(a, b) for a, b in zip(after_one, run.policy.model.parameters()))
 
 
+class ReleasingCopy(CountingCopy):
+    """A copy that frees itself after each rollout when ``frees`` (and says so)."""
+
+    def __init__(self, master: Any, frees: bool) -> None:
+        super().__init__(master)
+        self.frees, self.released, self.releases = frees, False, 0
+
+    def release(self) -> bool:
+        self.releases += 1
+        self.released = self.frees
+        return self.frees
+
+    def refresh(self, master: Any) -> None:
+        super().refresh(master)
+        self.released = False
+
+
+class LoadedCheck(Recorder):
+    """Fails a rollout on a released copy (as a copy whose weights were freed would)."""
+
+    @rlmix.hookimpl
+    def rlmix_generate(self, run: Any, request: Any) -> Any:
+        weights = run.resources.get("copy_under_test")
+        assert not (weights is not None and run.policy.model is weights.model
+                    and weights.released), "sampled with a released copy"
+        return super().rlmix_generate(run=run, request=request)
+
+
+@pytest.mark.parametrize("frees", [True, False])
+def test_a_copy_that_releases_after_each_rollout_is_rebuilt_before_the_next(
+        tmp_path: Path, frees: bool) -> None:
+    master_stub, _ = tiny_random()
+    recorder = LoadedCheck()
+    copy = ReleasingCopy(master_stub, frees)
+    run = _run(tmp_path, GivesCopy(copy), recorder)
+    run.resources["copy_under_test"] = copy
+    copy.refresh(run.policy.model)  # built from another tiny model: load the run's master
+    CountingCopy.refreshes = 0
+    for step in range(3):
+        loop.train_step(run)
+        assert recorder.seen[-1] is copy.model and copy.releases == step + 1
+        # released: marked stale; kept: it holds the weights it sampled with (version step)
+        assert copy.released == frees and copy.version == (-1 if frees else step)
+    assert CountingCopy.refreshes == 2  # before the rollouts of steps 1 and 2
+    # two rollouts at one version: a released copy is rebuilt for the second, a kept one not
+    prompts = run.hook.rlmix_prompts(run=run, step=run.step)
+    run.sample(prompts)
+    run.sample(prompts)
+    assert CountingCopy.refreshes == (4 if frees else 3)
+    run.generate(run.hook.rlmix_prompts(run=run, step=0))
+    assert recorder.seen[-1] is run.policy.model  # evaluation never touches the copy
+
+
+def test_a_rollout_that_fails_still_releases_the_copy(tmp_path: Path) -> None:
+    master_stub, _ = tiny_random()
+    copy = ReleasingCopy(master_stub, True)
+
+    class Fails:
+        @rlmix.hookimpl
+        def rlmix_generate(self, run: Any, request: Any) -> Any:
+            raise RuntimeError("engine down")
+
+    run = _run(tmp_path, GivesCopy(copy), Fails())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="engine down"):
+        run.sample(run.hook.rlmix_prompts(run=run, step=0))
+    assert copy.releases == 1 and copy.version == -1
+
+
 def test_a_copy_without_refresh_is_refused(tmp_path: Path) -> None:
     class NoRefresh:
         model = None

@@ -307,6 +307,8 @@ def rlmix_sampler_weights(run: Run, master: Any) -> Any | None:
     ``run.policy_version`` moved (logging ``time/sampler_refresh_s``), and runs
     ``rlmix_sample`` on a view of the run whose ``policy.model`` is the copy, so behaviour
     log-probs come from it; with ``train.max_staleness > 0`` it is the async worker's own copy.
+    Optionally ``release() -> bool``: called after each synchronous training rollout; a copy
+    that freed its weights returns ``True`` and is refreshed (rebuilt) before the next one.
     Evaluation and the training forward keep the master. ``None`` (no plugin): the synchronous
     loop samples with the master itself, the async worker with an fp32 copy.
     """

@@ -15,7 +15,13 @@ int8 one: ``lowbit_rollout``); then:
   ``partial``) samples with it and records its behaviour log-probs;
 * in async mode the background worker's own copy is this object (not a second one), refreshed
   under the weights lock;
-* evaluation (``Run.generate`` outside ``Run.sample``) and the training forward use the master.
+* evaluation (``Run.generate`` outside ``Run.sample``) and the training forward use the master;
+* a copy may also have ``release() -> bool``: after each synchronous training rollout the core
+  calls it (``after_rollout``), and a copy that freed its weights returns ``True``; the core
+  then marks it stale (``version = -1``), so the next training rollout refreshes it first
+  (``refresh`` must rebuild what ``release`` freed). The copy then takes no memory while the
+  trainer's forward and backward run, which is where a step's memory peaks. The async worker
+  samples while the trainer trains and never calls it.
 
 The copy is derived state: it is never checkpointed, and a resumed run rebuilds it.
 """
@@ -77,6 +83,14 @@ def refresh(run: Run, weights: Any) -> None:
     weights.refresh(run.policy.model)
     run.log(REFRESH_METRIC, time.perf_counter() - t0)
     weights.version = run.policy_version
+
+
+def after_rollout(run: Run, weights: Any) -> None:
+    """A synchronous training rollout on ``weights`` is done: let the copy free its memory
+    until the next one (``release()``, where it has one and returns ``True``; see above)."""
+    release = getattr(weights, "release", None)
+    if callable(release) and release():
+        weights.version = -1  # holds no weights now: the next rollout's view refreshes it
 
 
 def sampling_view(run: Run) -> Run:

@@ -296,16 +296,21 @@ class Run:
         attached (``train.max_staleness > 0``), the batch of step ``self.step`` that the
         background worker sampled from the prompts it got from ``rlmix_prompts`` itself
         (``prompts`` is then ignored). With a sampler copy (``rlmix.sampler_weights``), the
-        owner runs on a view of the run whose ``policy.model`` is that copy."""
+        owner runs on a view of the run whose ``policy.model`` is that copy, and the copy may
+        then free its weights until the next rollout (``rlmix.sampler_weights.after_rollout``)."""
         if self.async_sampler is not None:
             return self.async_sampler.take(self)
         prompts = self.select_prompts(prompts)
-        run = self
-        if self.sampler_weights is not None:  # a low-precision (or other) sampler copy
-            from rlmix.sampler_weights import sampling_view
+        if self.sampler_weights is None:
+            batch = self.hook.rlmix_sample(run=self, prompts=prompts)
+        else:  # a low-precision (or other) sampler copy
+            from rlmix.sampler_weights import after_rollout, sampling_view
 
-            run = sampling_view(self)
-        batch = run.hook.rlmix_sample(run=run, prompts=prompts)
+            view = sampling_view(self)
+            try:
+                batch = view.hook.rlmix_sample(run=view, prompts=prompts)
+            finally:
+                after_rollout(self, self.sampler_weights)
         if batch is None:
             raise RuntimeError("no plugin returned a batch from rlmix_sample")
         return batch

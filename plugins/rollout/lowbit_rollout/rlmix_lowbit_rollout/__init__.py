@@ -4,8 +4,10 @@ are apart on the sampled tokens.
 
 * ``rlmix_sampler_weights`` gives the core the copy (``quant.LowbitWeights``); the core
   refreshes it after each optimizer step and samples with it (``rlmix.sampler_weights``), so
-  the engine's behaviour log-probs are the low-precision sampler's. In async mode
-  (``train.max_staleness > 0``) the background worker samples with this copy.
+  the engine's behaviour log-probs are the low-precision sampler's. With
+  ``free_while_training`` the copy frees its weights after each synchronous rollout (the core
+  calls its ``release``) and the next refresh rebuilds them. In async mode
+  (``train.max_staleness > 0``) the background worker samples with this copy, which stays.
 * ``rlmix_clip`` (a wrapper that changes nothing) logs the mismatch between the trainer's
   log-probs and the behaviour log-probs over completion tokens (``mismatch_metrics``).
 
@@ -54,6 +56,9 @@ class Settings:
     # bf16 linears (and a bf16 head) hold their weight pre-packed for oneDNN, re-packed at each
     # refresh: no per-call re-layout of the weight. CPU with native bf16 only; ignored elsewhere
     prepack: bool = True
+    # free the copy's weights after each synchronous training rollout and rebuild them at the
+    # next refresh, so the copy takes no memory while the trainer runs (async mode: ignored)
+    free_while_training: bool = True
     metrics: bool = True  # log the rollout-training mismatch every step
 
     def __post_init__(self) -> None:
@@ -136,7 +141,7 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     if s.precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
     return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
-                         s.prepack)
+                         s.prepack, s.free_while_training)
 
 
 @rlmix.hookimpl(wrapper=True)

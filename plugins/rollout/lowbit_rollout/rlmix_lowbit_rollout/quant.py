@@ -14,7 +14,10 @@ weights with one scale per output row. Pure torch (CPU kernels of torch itself),
   every call; the outputs are the same as ``F.linear``'s. CPU only (``prepack_ok``).
 * ``LowbitWeights``: the sampler copy (``rlmix.sampler_weights.SamplerWeights``) built from the
   master model without a second fp32 copy, and ``refresh(master)``, which re-casts or
-  re-quantises every weight in place.
+  re-quantises every weight in place. With ``free_while_training``, ``release()`` frees every
+  weight it refreshes (the tensors keep their shapes over an empty storage; packed weights are
+  dropped) and the next ``refresh`` re-allocates them: the core calls it after a synchronous
+  rollout, so the copy holds no memory while the trainer runs.
 """
 
 from __future__ import annotations
@@ -282,11 +285,12 @@ class LowbitWeights(SamplerWeights):
     frequencies) are copied as they are. Built without a transient fp32 copy of the model.
     With ``prepack`` (and ``prepack_ok`` on the master's device) every bf16 linear, the LM head
     included, is a ``PackedLinear``; a head tied to the input embeddings then has its own packed
-    copy beside the bf16 embedding table."""
+    copy beside the bf16 embedding table. ``free_while_training``: ``release()`` frees the
+    weights until the next ``refresh`` (see the module doc); a forward in between raises."""
 
     def __init__(self, master: nn.Module, precision: str = "bf16", lm_head: str = "auto",
                  int8_kernel: str = "weight_only", smooth_alpha: float = 0.5,
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, free_while_training: bool = False) -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         self.precision, self.int8_kernel = precision, int8_kernel
@@ -296,6 +300,8 @@ class LowbitWeights(SamplerWeights):
         self.compute_dtype = (torch.float32 if precision == "int8" and int8_kernel in FP32_KERNELS
                               else torch.bfloat16)
         self.version = -1
+        self.free_while_training = bool(free_while_training)
+        self.released = False
         head_module = master.get_output_embeddings() if hasattr(
             master, "get_output_embeddings") else None
         names = {id(m): n for n, m in master.named_modules()}
@@ -367,6 +373,7 @@ class LowbitWeights(SamplerWeights):
                 seen.add(id(dst))
                 self._plan.append((mname, pname, dst))
         self.refresh(master)
+        clone.register_forward_pre_hook(self._check_loaded)
         self._calibration_hook = None
         if any(m.smooth is not None for m in self._smoothed()):
             # w8a8 calibrates on the first prompts it is run on (its first prefill)
@@ -442,8 +449,41 @@ class LowbitWeights(SamplerWeights):
         self.calibrated = True
         self.refresh(master)
 
+    def _check_loaded(self, module: nn.Module, args: tuple) -> None:
+        if self.released:
+            raise RuntimeError("this sampler copy was released (free_while_training): "
+                               "refresh(master) it before running it")
+
+    def _freeable(self) -> list[torch.Tensor]:
+        """The tensors ``refresh`` writes whole, whose storage ``release`` frees: every copied
+        parameter and the int8 weight buffers (packed weights are dropped instead)."""
+        out = []
+        for _mname, _pname, target in self._plan:
+            if isinstance(target, Int8Linear):
+                out.append(target.qweight)
+            elif not isinstance(target, PackedLinear):
+                out.append(target)
+        return [t for t in out if t.numel() > 0]
+
+    def release(self) -> bool:
+        """Free the copy's weights until the next ``refresh`` (``free_while_training``; else
+        nothing happens). Returns whether it freed them."""
+        if not self.free_while_training:
+            return False
+        for t in self._freeable():
+            t.untyped_storage().resize_(0)
+        for _mname, _pname, target in self._plan:
+            if isinstance(target, PackedLinear) or (isinstance(target, Int8Linear)
+                                                    and target.packed is not None):
+                target.packed = None
+        self.released = True
+        return True
+
     @torch.no_grad()
     def refresh(self, master: nn.Module) -> None:
+        if self.released:  # re-allocate what release() freed; every byte is written below
+            for t in self._freeable():
+                t.untyped_storage().resize_(t.numel() * t.element_size())
         for mname, pname, target in self._plan:
             module = master.get_submodule(mname) if mname else master
             src = module._parameters[pname]
@@ -451,6 +491,7 @@ class LowbitWeights(SamplerWeights):
                 target.load(src, module._parameters.get("bias"))
             else:
                 target.copy_(src)
+        self.released = False
 
     def weight_bytes(self) -> int:
         """Bytes of weights one full forward reads: every parameter and int8 buffer, except the

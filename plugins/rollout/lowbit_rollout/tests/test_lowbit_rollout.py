@@ -168,7 +168,8 @@ def _bf16_weight(layer: Any) -> torch.Tensor:
 
 def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_path: Path) -> None:
     for precision in ("bf16", "int8"):
-        run = _run(tmp_path / precision, precision)
+        # the copy kept loaded after each rollout, to read it here (freeing: tested below)
+        run = _run(tmp_path / precision, precision, f"{NAME}.free_while_training=false")
         weights = run.sampler_weights
         assert isinstance(weights, LowbitWeights) and weights.version == 0
         before = weights.model.model.layers[0].mlp.up_proj
@@ -288,6 +289,82 @@ def test_w8a8_copy_calibrates_on_its_first_prompts_and_keeps_the_factors() -> No
     with torch.no_grad():  # the second forward does not calibrate again
         copy.model(input_ids=ids[:, :3])
     assert torch.equal(up.smooth, factors)
+
+
+# ---------------------------------------------------------------- free_while_training
+
+
+def _freed_config(precision: str, kernel: str, prepack: bool) -> tuple[LowbitWeights, Any]:
+    master, _ = tiny_random()
+    _scaled(master)
+    return LowbitWeights(master, precision, int8_kernel=kernel, prepack=prepack,
+                         free_while_training=True), master
+
+
+@pytest.mark.parametrize("precision, kernel, prepack", [
+    ("bf16", "weight_only", True), ("bf16", "weight_only", False), ("int8", "weight_only", True),
+    ("int8", "dynamic", True), ("int8", "w8a8", True)])
+def test_a_released_copy_holds_no_weights_and_computes_the_same_after_refresh(
+        precision: str, kernel: str, prepack: bool) -> None:
+    copy, master = _freed_config(precision, kernel, prepack)
+    ids = torch.randint(0, master.config.vocab_size, (2, 7), generator=torch.Generator()
+                        .manual_seed(0))
+
+    def held() -> int:  # bytes of every distinct storage the copy's module holds
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*copy.model.parameters(), *copy.model.buffers())}
+        return sum(storages.values())
+
+    with torch.no_grad():
+        copy.model(input_ids=ids)  # w8a8 calibrates on its first forward (and refreshes)
+        want = copy.model(input_ids=ids).logits
+    before = held()
+    assert copy.release() is True and copy.released
+    freed = copy._freeable()
+    assert freed and all(t.untyped_storage().nbytes() == 0 for t in freed)
+    # what stays: int8 scales, w8a8 smoothing factors, biases, rotary tables: a small part
+    assert held() < 0.1 * before, (held(), before)
+    packed = [m for m in copy.model.modules() if isinstance(m, PackedLinear | Int8Linear)]
+    assert all(getattr(m, "packed", None) is None for m in packed)
+    with pytest.raises(RuntimeError, match="released"):
+        copy.model(input_ids=ids)
+    copy.refresh(master)
+    assert not copy.released and held() == before
+    with torch.no_grad():
+        assert torch.equal(copy.model(input_ids=ids).logits, want)  # bit for bit
+    assert copy.release() and copy.release()  # twice in a row is harmless
+    copy.refresh(master)
+    with torch.no_grad():
+        assert torch.equal(copy.model(input_ids=ids).logits, want)
+
+
+def test_release_does_nothing_when_the_setting_is_off() -> None:
+    master, _ = tiny_random()
+    copy = LowbitWeights(master, "bf16")  # free_while_training defaults to False here
+    assert copy.release() is False and not copy.released
+    assert all(t.untyped_storage().nbytes() > 0 for t in copy._freeable())
+    copy.model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_the_run_frees_the_copy_between_rollouts_and_learns_the_same(tmp_path: Path) -> None:
+    """The default (free_while_training) frees the copy after each training rollout and
+    rebuilds it at the next one; the run's weights after three steps are bit-equal to a run
+    that keeps the copy, since the rebuilt copy computes what the kept one does."""
+    for precision in ("bf16", "int8"):
+        finals = {}
+        for free in (True, False):
+            torch.manual_seed(0)
+            run = _run(tmp_path / f"{precision}-{free}", precision,
+                       f"{NAME}.free_while_training={str(free).lower()}", "train.seed=0")
+            weights = run.sampler_weights
+            for _ in range(3):
+                metrics = loop.train_step(run)
+                assert weights.released == free
+                assert weights.version == (-1 if free else run.policy_version - 1)
+                assert f"{NAME}/logp_diff_abs_mean" in metrics
+            assert all((t.untyped_storage().nbytes() == 0) == free for t in weights._freeable())
+            finals[free] = [p.detach().clone() for p in run.policy.model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(finals[True], finals[False])), precision
 
 
 # ---------------------------------------------------------------- mismatch metrics

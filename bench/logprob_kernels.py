@@ -1,8 +1,8 @@
 """Peak memory and time of the chunked token log-probs (plugin ``fused_logprobs``) against the
 core's plain default, on the CPU, at SmolLM2-135M's LM-head shapes (hidden 576, V = 49,152).
 
-    python bench/kernels.py                          # 4,096 and 16,384 tokens, fp32
-    python bench/kernels.py --tokens 4096 --chunk-sizes 256 1024 --repeats 3
+    python bench/logprob_kernels.py                          # 4,096 and 16,384 tokens, fp32
+    python bench/logprob_kernels.py --tokens 4096 --chunk-sizes 256 1024 --repeats 3
 
 Each case (implementation x token count) runs in a fresh subprocess. Inside it the inputs are
 allocated first (hidden [N, 576], the LM head [49152, 576], labels and the upstream gradients
