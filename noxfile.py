@@ -110,6 +110,8 @@ def tests(session: nox.Session) -> None:
     everything (tests/, libs/*/tests, plugins/*/*/tests)."""
     install_core(session, *LIBS, *PLUGINS)
     session.install(TRITON)
+    # tests/test_new_plugin_kit.py lints the code `rlmix new` generates (else that check is void)
+    session.install("ruff")
     test_dirs = ["tests"] + [f"{p}/tests" for p in (*LIBS, *PLUGINS)
                              if (ROOT / p / "tests").exists()]
     # one worker per core (pytest-xdist), each test on one torch thread (tests/conftest.py):

@@ -128,6 +128,8 @@ def _imports(body: str, module: bool, module_name: str) -> str:
         third.append("import pytest")
     if re.search(r"\btorch\.", body):
         third.append("import torch")
+    if re.search(r"\bcheck_plugin\(", body):  # a distribution of its own: third-party to isort
+        third.append("from rlmix_conformance import check_plugin")
     first = []
     if module or re.search(r"\brlmix\.[A-Za-z]", body.replace("rlmix.hookimpl", "rlmix.x")):
         first.append("import rlmix")
@@ -139,8 +141,6 @@ def _imports(body: str, module: bool, module_name: str) -> str:
         testing.insert(0, "standins")
     if testing:
         first.append(f"from rlmix.testing import {', '.join(sorted(testing))}")
-    if re.search(r"\bcheck_plugin\(", body):
-        first.append("from rlmix_conformance import check_plugin")
     types = [t for t in _TYPES if re.search(rf"\b{t}\b", body)]
     if types:
         names = sorted(types, key=lambda n: (not n.isupper(), n))  # isort: constants first
