@@ -9,7 +9,8 @@ For each sampler copy (``fp32``: the master itself; ``bf16``: plain ``F.linear``
 ``int8``: weight-only int8 linears and an int8 LM head; ``int8-bf16head``: the same with a bf16 LM
 head, ``int8-packedhead`` with a pre-packed one; ``int8-dynamic``: fbgemm's dynamic int8 linears;
 ``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token, calibrated by
-the warm-up's prefill; ``int8-w8a8-bf16head`` / ``-packedhead``: the same, bf16 head), the engine's
+the warm-up's prefill; ``int8-w8a8-bf16head`` / ``-packedhead``: the same, bf16 head; a name ending
+in ``-eager``: that copy with eager attention, ``lowbit_rollout.attention: eager``), the engine's
 own decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early stop) samples
 ``tokens`` new tokens for ``rows`` rows sharing one prompt (a GRPO group). Decode time =
 time(``tokens``) - time(1 token), which removes the prefill; tokens/s = rows x (tokens - 1) / decode
@@ -25,6 +26,7 @@ take turns within each rows setting, and the machine's load average is printed b
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -38,15 +40,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "rollout" / "lowbit_rollout"))  # uninstalled checkouts
 
-VARIANTS = {  # name: (precision, lm_head, int8_kernel, prepack)
+VARIANTS = {  # name: (precision, lm_head, int8_kernel, prepack); "-eager": eager attention
     "fp32": ("fp32", "auto", "weight_only", False),
+    "fp32-eager": ("fp32", "auto", "weight_only", False),
     "bf16": ("bf16", "auto", "weight_only", False),
     "bf16-packed": ("bf16", "auto", "weight_only", True),
+    "bf16-packed-eager": ("bf16", "auto", "weight_only", True),
     "int8": ("int8", "auto", "weight_only", False),
     "int8-bf16head": ("int8", "bf16", "weight_only", False),
     "int8-packedhead": ("int8", "bf16", "weight_only", True),
     "int8-dynamic": ("int8", "auto", "dynamic", False),
     "int8-w8a8": ("int8", "auto", "w8a8", False),
+    "int8-w8a8-eager": ("int8", "auto", "w8a8", False),
     "int8-w8a8-bf16head": ("int8", "bf16", "w8a8", False),
     "int8-w8a8-packedhead": ("int8", "bf16", "w8a8", True),
 }
@@ -113,10 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     copies: dict[str, tuple[Any, int, float]] = {}  # name: (model, weight bytes, refresh s)
     for name in args.variants:
         precision, head, kernel, prepack = VARIANTS[name]
+        attention = "eager" if name.endswith("-eager") else "model"
         if precision == "fp32":
-            copies[name] = (master, fp32_weight_bytes(master), 0.0)
+            model = master
+            if attention != "model":  # a second fp32 model, so the master keeps its own
+                from rlmix_lowbit_rollout.quant import set_attention
+
+                model = copy.deepcopy(master)
+                set_attention(model, attention)
+            copies[name] = (model, fp32_weight_bytes(master), 0.0)
             continue
-        weights = LowbitWeights(master, precision, head, kernel, prepack=prepack)
+        weights = LowbitWeights(master, precision, head, kernel, prepack=prepack,
+                                attention=attention)
         t = time.perf_counter()
         weights.refresh(master)
         copies[name] = (weights.model, weights.weight_bytes(), time.perf_counter() - t)

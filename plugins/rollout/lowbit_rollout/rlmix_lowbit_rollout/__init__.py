@@ -26,6 +26,7 @@ from rlmix import ops
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
 from .quant import (
+    ATTENTIONS,
     HEADS,
     KERNELS,
     PRECISIONS,
@@ -59,10 +60,18 @@ class Settings:
     # free the copy's weights after each synchronous training rollout and rebuild them at the
     # next refresh, so the copy takes no memory while the trainer runs (async mode: ignored)
     free_while_training: bool = True
+    # the copy's attention: model (what the master uses) | eager (plain matmuls and softmax,
+    # faster than CPU SDPA at one query token, but [rows, heads, L, L] scores in the prefill) |
+    # sdpa. The master (evaluation, training) keeps its own
+    attention: str = "model"
     metrics: bool = True  # log the rollout-training mismatch every step
 
     def __post_init__(self) -> None:
-        rlmix.check_choices(self, precision=PRECISIONS, int8_kernel=KERNELS, lm_head=HEADS)
+        rlmix.check_choices(self, precision=PRECISIONS, int8_kernel=KERNELS, lm_head=HEADS,
+                            attention=ATTENTIONS)
+        if self.precision == "fp32" and self.attention != "model":
+            raise ValueError(f"attention: {self.attention!r} needs a low-precision copy; "
+                             f"precision fp32 samples with the master model itself")
         if self.precision == "fp32" and self.lm_head not in ("auto", "fp32"):
             raise ValueError(f"lm_head: {self.lm_head!r} needs a low-precision copy; precision "
                              f"fp32 samples with the master model itself (lm_head auto)")
@@ -141,7 +150,7 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     if s.precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
     return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
-                         s.prepack, s.free_while_training)
+                         s.prepack, s.free_while_training, s.attention)
 
 
 @rlmix.hookimpl(wrapper=True)

@@ -37,6 +37,7 @@ from rlmix.sampler_weights import SamplerWeights
 PRECISIONS = ("fp32", "bf16", "int8")
 KERNELS = ("weight_only", "dynamic", "w8a8")
 HEADS = ("auto", "fp32", "bf16", "int8")
+ATTENTIONS = ("model", "eager", "sdpa")  # the copy's attention implementation (transformers')
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_KERNELS = ("dynamic", "w8a8")  # kernels that take fp32 activations
 _ROWS = 8192  # rows quantised at once (bounds the fp32 temporary of the LM head)
@@ -278,6 +279,16 @@ def resolve_head(precision: str, lm_head: str) -> str:
     return precision if lm_head == "auto" else lm_head
 
 
+def set_attention(model: nn.Module, implementation: str) -> None:
+    """Make ``model`` (a transformers model) run ``implementation`` ("eager", "sdpa") in its
+    attention layers, which read it from the model's config at every forward."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(implementation)
+    else:  # older transformers: the config attribute is what the layers read
+        model.config._attn_implementation = implementation
+
+
 class LowbitWeights(SamplerWeights):
     """The sampler copy of ``master`` in ``precision`` (``bf16`` or ``int8``), its LM head in
     ``lm_head``; norms, embeddings and every other parameter in the copy's compute dtype (bf16,
@@ -286,11 +297,14 @@ class LowbitWeights(SamplerWeights):
     With ``prepack`` (and ``prepack_ok`` on the master's device) every bf16 linear, the LM head
     included, is a ``PackedLinear``; a head tied to the input embeddings then has its own packed
     copy beside the bf16 embedding table. ``free_while_training``: ``release()`` frees the
-    weights until the next ``refresh`` (see the module doc); a forward in between raises."""
+    weights until the next ``refresh`` (see the module doc); a forward in between raises.
+    ``attention`` other than ``model`` sets the copy's attention implementation (its own
+    config: the master's is not touched)."""
 
     def __init__(self, master: nn.Module, precision: str = "bf16", lm_head: str = "auto",
                  int8_kernel: str = "weight_only", smooth_alpha: float = 0.5,
-                 prepack: bool = True, free_while_training: bool = False) -> None:
+                 prepack: bool = True, free_while_training: bool = False,
+                 attention: str = "model") -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         self.precision, self.int8_kernel = precision, int8_kernel
@@ -337,7 +351,11 @@ class LowbitWeights(SamplerWeights):
                 new = torch.empty(p.shape, device=p.device,
                                   dtype=self.compute_dtype if p.is_floating_point() else p.dtype)
             memo[pid] = nn.Parameter(new, requires_grad=False)
-        clone = copy.deepcopy(master, memo)
+        clone = copy.deepcopy(master, memo)  # the config too: the copy's own from here on
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
+        if attention != "model":
+            set_attention(clone, attention)
         for name, kind in replace.items():
             old = master.get_submodule(name)
             device = old.weight.device

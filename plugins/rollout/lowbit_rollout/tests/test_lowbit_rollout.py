@@ -291,6 +291,30 @@ def test_w8a8_copy_calibrates_on_its_first_prompts_and_keeps_the_factors() -> No
     assert torch.equal(up.smooth, factors)
 
 
+def test_the_copy_can_run_its_own_attention_implementation() -> None:
+    master, _ = tiny_random()
+    _scaled(master)
+    before = master.config._attn_implementation
+    default = LowbitWeights(master, "bf16", prepack=False)
+    eager = LowbitWeights(master, "bf16", prepack=False, attention="eager")
+    assert default.model.config._attn_implementation == before  # "model": the master's
+    assert eager.model.config._attn_implementation == "eager"
+    assert eager.model.model.layers[0].self_attn.config is eager.model.config
+    assert master.config._attn_implementation == before  # the master keeps its own
+    ids = torch.randint(0, master.config.vocab_size, (3, 9), generator=torch.Generator()
+                        .manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: the mask reaches both implementations
+    with torch.no_grad():
+        want = master(input_ids=ids, attention_mask=mask).logits
+        a = default.model(input_ids=ids, attention_mask=mask).logits.float()
+        b = eager.model(input_ids=ids, attention_mask=mask).logits.float()
+    # the same function in bf16 either way: as close to each other as each is to fp32
+    assert _rel(b[:, 4:], a[:, 4:]) < 0.02 and _rel(b[1:], want[1:]) < 0.03
+    with pytest.raises(ValueError, match="attention"):
+        LowbitWeights(master, "bf16", attention="flash")
+
+
 # ---------------------------------------------------------------- free_while_training
 
 
@@ -435,10 +459,12 @@ def test_the_async_worker_samples_with_this_copy(tmp_path: Path) -> None:
     ("int8_kernel=fbgemm", r"lowbit_rollout\.int8_kernel"),
     ("int8_kernel=dynamic", r"applies to precision int8 only"),
     ("smooth_alpha=1.5", r"smooth_alpha"),
+    ("attention=flash", r"lowbit_rollout\.attention"),
+    ("precision=fp32 attention=eager", r"needs a low-precision copy"),
 ])
 def test_bad_settings_fail_clearly(override: str, match: str) -> None:
     with pytest.raises(ManifestError, match=match):
-        make_run({"kit_env": FakeEnv(), NAME: lowbit}, [f"{NAME}.{override}"])
+        make_run({"kit_env": FakeEnv(), NAME: lowbit}, [f"{NAME}.{o}" for o in override.split()])
     with pytest.raises(ManifestError, match="needs a low-precision copy"):
         make_run({"kit_env": FakeEnv(), NAME: lowbit},
                  [f"{NAME}.precision=fp32", f"{NAME}.lm_head=int8"])
