@@ -307,6 +307,8 @@ class LowbitWeights(SamplerWeights):
                  attention: str = "model") -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
         self.precision, self.int8_kernel = precision, int8_kernel
         self.smooth_alpha = smooth_alpha
         self.calibrated = False
@@ -352,8 +354,6 @@ class LowbitWeights(SamplerWeights):
                                   dtype=self.compute_dtype if p.is_floating_point() else p.dtype)
             memo[pid] = nn.Parameter(new, requires_grad=False)
         clone = copy.deepcopy(master, memo)  # the config too: the copy's own from here on
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
         if attention != "model":
             set_attention(clone, attention)
         for name, kind in replace.items():
@@ -491,8 +491,7 @@ class LowbitWeights(SamplerWeights):
         for t in self._freeable():
             t.untyped_storage().resize_(0)
         for _mname, _pname, target in self._plan:
-            if isinstance(target, PackedLinear) or (isinstance(target, Int8Linear)
-                                                    and target.packed is not None):
+            if isinstance(target, PackedLinear | Int8Linear):  # load() packs them again
                 target.packed = None
         self.released = True
         return True
