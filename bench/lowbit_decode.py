@@ -8,19 +8,26 @@ For each sampler copy (``fp32``: the master itself; ``bf16``: plain ``F.linear``
 ``bf16-packed``: every bf16 linear pre-packed for oneDNN, ``lowbit_rollout.prepack``, the default;
 ``int8``: weight-only int8 linears and an int8 LM head; ``int8-bf16head``: the same with a bf16 LM
 head, ``int8-packedhead`` with a pre-packed one; ``int8-dynamic``: fbgemm's dynamic int8 linears;
-``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token, calibrated by
-the warm-up's prefill; ``int8-w8a8-bf16head`` / ``-packedhead``: the same, bf16 head; a name ending
-in ``-eager``: that copy with eager attention, ``lowbit_rollout.attention: eager``), the engine's
-own decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early stop) samples
-``tokens`` new tokens for ``rows`` rows sharing one prompt (a GRPO group). Decode time =
-time(``tokens``) - time(1 token), which removes the prefill; tokens/s = rows x (tokens - 1) / decode
-time. The floor of a decode step is the weight bytes it must read (every weight but the input
-embedding table; ``LowbitWeights.weight_bytes``) over the memory bandwidth measured in the same run
-(a 256 MiB tensor copy, read + write). Prints tokens/s, the ratio to fp32, ms per step against the
-floor, and the copy's refresh time (re-casting or re-quantising every weight from the fp32 master,
-as after an optimizer step). Wall and CPU (process) time are both reported (on a shared machine CPU
-time is the steadier measure: it leaves out the time the process waited for a core); the variants
-take turns within each rows setting, and the machine's load average is printed before and after.
+``int8-w8a8``: SmoothQuant-smoothed int8 linears with activations quantised per token, calibrated
+by the warm-up's prefill, whose decode calls take one activation scale per call in the layers whose
+tokens have alike ranges (``lowbit_rollout.w8a8_decode: auto``, the default); ``int8-w8a8-token``:
+per-token scales in every call; ``int8-w8a8-bf16head`` / ``-packedhead``: the same, bf16 head; a
+name ending in ``-eager``: that copy with eager attention, ``lowbit_rollout.attention: eager``),
+the engine's own decode loop (``rlmix.sampling.sample_tokens``, KV cache, temperature 1, no early
+stop) samples ``tokens`` new tokens for ``rows`` rows sharing one prompt (a GRPO group). Decode
+time = time(``tokens``) - time(1 token), which removes the prefill; tokens/s = rows x (tokens - 1)
+/ decode time. The floor of a decode step is the weight bytes it must read (every weight but the
+input embedding table; ``LowbitWeights.weight_bytes``) over the memory bandwidth measured in the
+same run (a 256 MiB tensor copy, read + write). Prints tokens/s, the ratio to fp32, ms per step
+against the floor, and the copy's refresh time (re-casting or re-quantising every weight from the
+fp32 master, as after an optimizer step; timed after the warm-up, by which w8a8 has calibrated).
+The compute floor of a step of ``r`` rows is ``r`` times the copy's time per token in one forward
+over 4 x 128 positions (``seconds_per_token_in_bulk``: the same arithmetic at full width, weights
+read once): at 8 rows on one core it is above the bandwidth floor for every copy here, so the last
+column divides by the larger of the two floors. Wall and CPU (process) time are both reported (on a
+shared machine CPU time is the steadier measure: it leaves out the time the process waited for a
+core); the variants take turns within each rows setting, and the machine's load average is printed
+before and after.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ VARIANTS = {  # name: (precision, lm_head, int8_kernel, prepack); "-eager": eage
     "int8-dynamic": ("int8", "auto", "dynamic", False),
     "int8-w8a8": ("int8", "auto", "w8a8", False),
     "int8-w8a8-eager": ("int8", "auto", "w8a8", False),
+    "int8-w8a8-token": ("int8", "auto", "w8a8", False),
     "int8-w8a8-bf16head": ("int8", "bf16", "w8a8", False),
     "int8-w8a8-packedhead": ("int8", "bf16", "w8a8", True),
 }
@@ -68,6 +76,22 @@ def bandwidth(mib: int = 256, reps: int = 5) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t)
     return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def seconds_per_token_in_bulk(model: Any, vocab: int, rows: int = 4, length: int = 128,
+                              reps: int = 3) -> float:
+    """The copy's seconds per token when it runs ``rows x length`` positions in one forward (no
+    cache): its arithmetic at full width, where the weights are read once for all positions.
+    A decode step of ``r`` rows does the same arithmetic for ``r`` tokens, so ``r`` times this
+    is a floor on the step that bandwidth does not set (the compute floor)."""
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids[:, :8], use_cache=False)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model(input_ids=ids, use_cache=False)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) / ids.numel()
 
 
 def fp32_weight_bytes(model: Any) -> int:
@@ -116,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ids, attn = enc["input_ids"], enc["attention_mask"]
     bw = bandwidth()
     copies: dict[str, tuple[Any, int, float]] = {}  # name: (model, weight bytes, refresh s)
+    built: dict[str, Any] = {}  # name: its LowbitWeights
     for name in args.variants:
         precision, head, kernel, prepack = VARIANTS[name]
         attention = "eager" if name.endswith("-eager") else "model"
@@ -129,15 +154,22 @@ def main(argv: list[str] | None = None) -> int:
             copies[name] = (model, fp32_weight_bytes(master), 0.0)
             continue
         weights = LowbitWeights(master, precision, head, kernel, prepack=prepack,
-                                attention=attention)
-        t = time.perf_counter()
-        weights.refresh(master)
-        copies[name] = (weights.model, weights.weight_bytes(), time.perf_counter() - t)
+                                attention=attention,
+                                w8a8_decode="token" if name.endswith("-token") else "auto")
+        copies[name] = (weights.model, weights.weight_bytes(), 0.0)
+        built[name] = weights
     results: list[dict[str, Any]] = []
     steps = args.tokens - 1
     with torch.no_grad():
-        for model, _, _ in copies.values():  # warm-up
+        for model, _, _ in copies.values():  # warm-up (w8a8 calibrates on this prefill)
             decode_time(model, ids, attn, 1, min(4, args.tokens), tok.pad_token_id, 0)
+        for name, weights in built.items():  # after calibration: what a step's refresh costs
+            t = time.perf_counter()
+            weights.refresh(master)
+            model, weight_bytes, _ = copies[name]
+            copies[name] = (model, weight_bytes, time.perf_counter() - t)
+        bulk = {name: seconds_per_token_in_bulk(model, len(tok)) for name, (model, _, _) in
+                copies.items()}  # after calibration too
         for rows in args.rows:
             walls: dict[str, list[float]] = {n: [] for n in copies}
             cpus: dict[str, list[float]] = {n: [] for n in copies}
@@ -156,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, (_, weight_bytes, refresh_s) in copies.items():
                 wall, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
                 floor_step = weight_bytes / bw
+                compute_step = rows * bulk[name]
+                roof = max(floor_step, compute_step)
                 results.append({
                     "variant": name, "rows": rows, "tokens": args.tokens,
                     "weight_mb": weight_bytes / 1e6, "decode_s": wall, "decode_cpu_s": cpu,
@@ -163,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     "ms_per_step": 1e3 * wall / steps, "cpu_ms_per_step": 1e3 * cpu / steps,
                     "floor_ms_per_step": 1e3 * floor_step,
                     "over_floor": (wall / steps) / floor_step,
-                    "cpu_over_floor": (cpu / steps) / floor_step, "refresh_s": refresh_s})
+                    "cpu_over_floor": (cpu / steps) / floor_step, "refresh_s": refresh_s,
+                    "compute_floor_ms_per_step": 1e3 * compute_step,
+                    "over_roofline": (wall / steps) / roof})
     load_after = os.getloadavg()
     print(format_table(results, args, bw, load_before, load_after,
                        time.perf_counter() - t_start, time.process_time() - c_start))
@@ -182,8 +218,9 @@ def format_table(results: list[dict[str, Any]], args: argparse.Namespace, bw: fl
              f"{wall:.0f} s, CPU {cpu:.0f} s",
              "| sampler | rows | weight MB / step | floor ms / step | wall ms / step | tok/s | "
              "x fp32 | x floor | CPU ms / step | tok / CPU s | x fp32 (CPU) | x floor (CPU) | "
-             "refresh s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "refresh s | compute floor ms / step | x max(floors) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- |"]
     for r in results:
         b = base.get(r["rows"])
         ratio = r["tokens_per_s"] / b["tokens_per_s"] if b else float("nan")
@@ -192,7 +229,8 @@ def format_table(results: list[dict[str, Any]], args: argparse.Namespace, bw: fl
                      f"{r['floor_ms_per_step']:.1f} | {r['ms_per_step']:.1f} | "
                      f"{r['tokens_per_s']:.1f} | {ratio:.2f} | {r['over_floor']:.2f} | "
                      f"{r['cpu_ms_per_step']:.1f} | {r['tokens_per_cpu_s']:.1f} | "
-                     f"{cpu_ratio:.2f} | {r['cpu_over_floor']:.2f} | {r['refresh_s']:.2f} |")
+                     f"{cpu_ratio:.2f} | {r['cpu_over_floor']:.2f} | {r['refresh_s']:.2f} | "
+                     f"{r['compute_floor_ms_per_step']:.1f} | {r['over_roofline']:.2f} |")
     return "\n".join(lines)
 
 

@@ -5,11 +5,14 @@
 
 For each copy (the variants of bench/lowbit_decode.py, plus the dynamic int8 kernel with an
 fp32 or bf16 LM head), sample ``--tokens`` new tokens at temperature 1 from the copy for
-``--prompts`` arithmetic prompts of the demo's kind (chat template, two-digit additions), then
-score those tokens under the copy and under the fp32 master. It prints the mean and max per-token
-``|log p_fp32 - log p_copy|``, the fraction of greedy (argmax) next tokens on which the two
-agree, and one decoded sample. These are the figures ``lowbit_rollout/logp_diff_abs_*`` log during
-training, measured before any training and without the loop.
+``--prompts`` arithmetic prompts of the demo's kind (chat template, two-digit additions) with the
+engine's own decode loop (``rlmix.sampling.sample_tokens``: one prefill, then one position per
+row per step), which returns the behaviour log-probs of the sampled tokens, and score those tokens
+under the fp32 master. It prints the mean and max per-token ``|log p_fp32 - log p_behaviour|``
+(what ``lowbit_rollout/logp_diff_abs_*`` log during training, measured before any training and
+without the loop), the same for the copy re-scoring the whole sequence in one forward (a
+prefill-shaped call, which a w8a8 copy quantises per token), the fraction of greedy (argmax) next
+tokens on which that re-scoring and fp32 agree, and one decoded sample.
 """
 
 from __future__ import annotations
@@ -34,30 +37,38 @@ VARIANTS = {**DECODE_VARIANTS, "int8-dynamic-fp32head": ("int8", "fp32", "dynami
 
 def completion_logits(model: Any, ids: torch.Tensor, attn: torch.Tensor, start: int
                       ) -> torch.Tensor:
-    """fp32 log-softmax of the logits that predict ``ids[:, start:]``."""
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    """fp32 log-softmax of the logits that predict ``ids[:, start:]`` (positions from the
+    mask, as the decode loop counts them under left padding)."""
+    positions = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=positions).logits.float()
     return torch.log_softmax(logits[:, start - 1:-1], -1)
 
 
 def mismatch(master: Any, copy: Any, tok: Any, prompts: list[str], tokens: int, seed: int
              ) -> dict[str, Any]:
-    """Sample from ``copy``; compare the per-token log-probs of its samples with ``master``'s."""
+    """Sample from ``copy`` with the engine's decode loop; compare the behaviour log-probs of
+    its samples, and the copy's re-scoring of them, with ``master``'s."""
+    from rlmix.sampling import sample_tokens
+
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
-    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        ids = copy.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
-                            temperature=1.0, top_k=0, top_p=1.0,
-                            pad_token_id=tok.pad_token_id)
+        completion, _, behaviour = sample_tokens(
+            copy, enc.input_ids, enc.attention_mask, 1, tokens, 1.0, 1.0, 0, [-1],
+            tok.pad_token_id, generator=gen)  # no stop token: every row has ``tokens``
         start = enc.input_ids.shape[1]
-        attn = torch.cat([enc.attention_mask,
-                          torch.ones(len(ids), ids.shape[1] - start, dtype=torch.long)], 1)
+        ids = torch.cat([enc.input_ids, completion], 1)
+        attn = torch.cat([enc.attention_mask, torch.ones_like(completion)], 1)
         lp_master = completion_logits(master, ids, attn, start)
         lp_copy = completion_logits(copy, ids, attn, start)
-    target = ids[:, start:, None]
-    diff = (lp_master.gather(-1, target) - lp_copy.gather(-1, target)).abs()
+    target = completion[..., None]
+    master_lp = lp_master.gather(-1, target)[..., 0]
+    diff = (master_lp - behaviour.float()).abs()
+    rescored = (master_lp - lp_copy.gather(-1, target)[..., 0]).abs()
     agree = (lp_master.argmax(-1) == lp_copy.argmax(-1)).float().mean()
-    return {"mean": float(diff.mean()), "max": float(diff.max()), "argmax_agree": float(agree),
-            "sample": tok.decode(ids[0, start:], skip_special_tokens=True)}
+    return {"mean": float(diff.mean()), "max": float(diff.max()),
+            "rescored_mean": float(rescored.mean()), "argmax_agree": float(agree),
+            "sample": tok.decode(completion[0], skip_special_tokens=True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,16 +92,20 @@ def main(argv: list[str] | None = None) -> int:
                                        add_generation_prompt=True) for q in questions]
     print(f"model {args.model}, {args.prompts} prompts x {args.tokens} sampled tokens (T = 1), "
           f"seed {args.seed}")
-    print("| sampler copy | mean abs dlogp / token | max | argmax agrees with fp32 | a sample |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| sampler copy | mean abs dlogp / token (behaviour) | max | mean abs dlogp / token "
+          "(re-scored) | argmax agrees with fp32 | a sample |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name in args.variants:
         precision, head, kernel, prepack = VARIANTS[name]
+        attention = "eager" if name.endswith("-eager") else "model"
         copy = master if precision == "fp32" else LowbitWeights(  # fp32: the master, 0
-            master, precision, lm_head=head, int8_kernel=kernel, prepack=prepack).model
+            master, precision, lm_head=head, int8_kernel=kernel, prepack=prepack,
+            attention=attention,
+            w8a8_decode="token" if name.endswith("-token") else "auto").model
         r = mismatch(master, copy, tok, prompts, args.tokens, args.seed)
         sample = r["sample"].replace("\n", " ").replace("|", "/")[:60]
-        print(f"| {name} | {r['mean']:.3f} | {r['max']:.2f} | {r['argmax_agree']:.3f} | "
-              f"`{sample}` |", flush=True)
+        print(f"| {name} | {r['mean']:.3f} | {r['max']:.2f} | {r['rescored_mean']:.3f} | "
+              f"{r['argmax_agree']:.3f} | `{sample}` |", flush=True)
         del copy
     return 0
 

@@ -30,6 +30,7 @@ from .quant import (
     HEADS,
     KERNELS,
     PRECISIONS,
+    W8A8_DECODE,
     CastLinear,
     Int8Linear,
     LowbitWeights,
@@ -53,6 +54,13 @@ class Settings:
     # w8a8 (SmoothQuant-smoothed int8 weights x activations quantised per token, torch._int_mm)
     int8_kernel: str = "weight_only"
     smooth_alpha: float = 0.5  # w8a8: SmoothQuant's migration strength (0: none, 1: all)
+    # w8a8, decode calls: auto (layers whose tokens have alike ranges at calibration, spread <=
+    # w8a8_max_spread, take one activation scale per call in fbgemm's one-kernel path; the
+    # rest, and every prefill, per token) | token (per token always)
+    w8a8_decode: str = "auto"
+    # w8a8, auto: the largest token spread (a layer's largest per-token input range over the
+    # median token's, at calibration) whose decode calls take one scale per call
+    w8a8_max_spread: float = 4.0
     lm_head: str = "auto"  # the LM head: auto (the copy's precision) | fp32 | bf16 | int8
     # bf16 linears (and a bf16 head) hold their weight pre-packed for oneDNN, re-packed at each
     # refresh: no per-call re-layout of the weight. CPU with native bf16 only; ignored elsewhere
@@ -68,7 +76,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         rlmix.check_choices(self, precision=PRECISIONS, int8_kernel=KERNELS, lm_head=HEADS,
-                            attention=ATTENTIONS)
+                            attention=ATTENTIONS, w8a8_decode=W8A8_DECODE)
+        if not self.w8a8_max_spread >= 1.0:
+            raise ValueError(f"w8a8_max_spread: {self.w8a8_max_spread} is below 1 (a ratio of "
+                             f"the largest token range to the median one)")
         if self.precision == "fp32" and self.attention != "model":
             raise ValueError(f"attention: {self.attention!r} needs a low-precision copy; "
                              f"precision fp32 samples with the master model itself")
@@ -150,7 +161,8 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     if s.precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
     return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
-                         s.prepack, s.free_while_training, s.attention)
+                         s.prepack, s.free_while_training, s.attention, s.w8a8_decode,
+                         s.w8a8_max_spread)
 
 
 @rlmix.hookimpl(wrapper=True)

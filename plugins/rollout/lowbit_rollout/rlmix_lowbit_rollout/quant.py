@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from rlmix.sampler_weights import SamplerWeights
 
 PRECISIONS = ("fp32", "bf16", "int8")
 KERNELS = ("weight_only", "dynamic", "w8a8")
+W8A8_DECODE = ("auto", "token")  # w8a8's activation scales on decode calls (see Int8Linear)
 HEADS = ("auto", "fp32", "bf16", "int8")
 ATTENTIONS = ("model", "eager", "sdpa")  # the copy's attention implementation (transformers')
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -58,6 +59,31 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
         q[start:start + _ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127).to(torch.int8)
         scales[start:start + _ROWS] = s
     return q, scales
+
+
+def _fbgemm_has_vnni() -> bool:
+    """Whether this CPU multiplies u8 x s8 pairs into int32 directly (VNNI). Without it fbgemm
+    sums pairs in saturating int16, which 8-bit activations can overflow, so they are reduced
+    to 7 bits (``reduce_range``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
+
+
+_VNNI = _fbgemm_has_vnni()
+
+
+def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """fbgemm's pre-packed int8 weight (per-row scales, zero points 0) with its fp32 bias."""
+    with warnings.catch_warnings():  # torch marks quantized tensors as deprecated
+        warnings.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            q.cpu(), scales.double().cpu(), torch.zeros(len(scales), dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qw, None if bias is None else
+                                                  bias.float().cpu())
 
 
 def _packed_kernel_ok(in_features: int) -> bool:
@@ -94,6 +120,10 @@ class Int8Linear(nn.Module):
         # w8a8: a dict shared by the layers that read one input (q/k/v; gate/up), holding that
         # input quantised once; set by LowbitWeights.calibrate (None: quantise per call)
         self.shared_input: dict[str, Any] | None = None
+        # w8a8: decode calls (one position per row) quantise the activations with one scale for
+        # the whole call, inside fbgemm's dynamic kernel (set by calibration for layers whose
+        # tokens' ranges are alike; the weight is then also held packed for fbgemm)
+        self.decode_per_tensor = False
 
     @torch.no_grad()
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -109,13 +139,10 @@ class Int8Linear(nn.Module):
             self.qweight.copy_(q)
         else:  # fbgemm keeps its own packed copy: the int8 buffer is not kept twice
             self.qweight = torch.empty(0, dtype=torch.int8, device=q.device)
-            with warnings.catch_warnings():  # torch marks quantized tensors as deprecated
-                warnings.simplefilter("ignore")
-                qw = torch._make_per_channel_quantized_tensor(
-                    q.cpu(), scales.double().cpu(),
-                    torch.zeros(len(scales), dtype=torch.long), 0)
-                self.packed = torch.ops.quantized.linear_prepack(
-                    qw, None if self.bias is None else self.bias.float().cpu())
+        if self.kernel == "dynamic" or (self.decode_per_tensor and q.device.type == "cpu"):
+            self.packed = _fbgemm_pack(q, scales, self.bias)
+        else:
+            self.packed = None
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``q * s`` (under ``w8a8`` with the smoothing
@@ -174,8 +201,19 @@ class Int8Linear(nn.Module):
     def _w8a8(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """int8 input x int8 weight in int32, scaled back by row scale x weight-row scale. Layers
         that read the same input tensor (q/k/v, gate/up: ``shared_input``, set at calibration,
-        with shared smoothing factors) quantise it once."""
+        with shared smoothing factors) quantise it once. With ``decode_per_tensor``, a decode
+        call (one position per row) instead runs fbgemm's dynamic kernel on the smoothed
+        input: one activation scale for the call, computed and applied inside one kernel, where
+        the per-token path is several small ops per layer."""
         cache = self.shared_input
+        if self.packed is not None and x.dim() > 2 and x.shape[-2] == 1:
+            if cache is not None and cache.get("xs_of") is x and cache["xs_version"] == x._version:
+                xs = cache["xs"]
+            else:
+                xs = (x2.float() * self.inv_smooth).contiguous()
+                if cache is not None:
+                    cache.update(xs_of=x, xs_version=x._version, xs=xs)
+            return torch.ops.quantized.linear_dynamic(xs, self.packed, not _VNNI)
         if cache is not None and cache.get("x") is x and cache["version"] == x._version:
             xq, row_scale = cache["xq"], cache["row_scale"]
         else:
@@ -289,6 +327,32 @@ def set_attention(model: nn.Module, implementation: str) -> None:
         model.config._attn_implementation = implementation
 
 
+def _with_layer_inputs(master: nn.Module, names: set[str],
+                       record: Callable[[str, torch.Tensor, torch.Tensor], None],
+                       input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       keep: torch.Tensor | None) -> None:
+    """One forward of ``master`` on ``input_ids`` that calls ``record(name, input, rows)`` for
+    each named layer: its input tensor, and that input as ``[tokens, features]`` rows with the
+    padding (``keep`` false) left out."""
+    hooks = []
+    for name, module in master.named_modules():
+        if name not in names:
+            continue
+
+        def hook(mod: nn.Module, args: tuple, name: str = name) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            if keep is not None and len(keep) == len(x):
+                x = x[keep.to(x.device)]
+            record(name, args[0], x)
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    try:
+        master(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 class LowbitWeights(SamplerWeights):
     """The sampler copy of ``master`` in ``precision`` (``bf16`` or ``int8``), its LM head in
     ``lm_head``; norms, embeddings and every other parameter in the copy's compute dtype (bf16,
@@ -304,13 +368,22 @@ class LowbitWeights(SamplerWeights):
     def __init__(self, master: nn.Module, precision: str = "bf16", lm_head: str = "auto",
                  int8_kernel: str = "weight_only", smooth_alpha: float = 0.5,
                  prepack: bool = True, free_while_training: bool = False,
-                 attention: str = "model") -> None:
+                 attention: str = "model", w8a8_decode: str = "auto",
+                 w8a8_max_spread: float = 4.0) -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         if attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
+        if w8a8_decode not in W8A8_DECODE:
+            raise ValueError(f"w8a8_decode is one of {W8A8_DECODE}, not {w8a8_decode!r}")
+        if not w8a8_max_spread >= 1.0:
+            raise ValueError(f"w8a8_max_spread is a ratio of ranges, at least 1, not "
+                             f"{w8a8_max_spread}")
         self.precision, self.int8_kernel = precision, int8_kernel
         self.smooth_alpha = smooth_alpha
+        self.w8a8_decode, self.w8a8_max_spread = w8a8_decode, float(w8a8_max_spread)
+        # w8a8: each layer's token spread at calibration (see calibrate)
+        self.spreads: dict[str, float] = {}
         self.calibrated = False
         self.head = resolve_head(precision, lm_head)
         self.compute_dtype = (torch.float32 if precision == "int8" and int8_kernel in FP32_KERNELS
@@ -416,7 +489,16 @@ class LowbitWeights(SamplerWeights):
         """Set every w8a8 layer's SmoothQuant factors (``Int8Linear.set_smoothing``, alpha
         ``smooth_alpha``) from the fp32 master's inputs to that layer on ``input_ids`` (padding
         left out), then re-quantise. Runs once, on the copy's first forward; later refreshes
-        keep the factors (the weights move by a learning rate's worth per step)."""
+        keep the factors (the weights move by a learning rate's worth per step).
+
+        With ``w8a8_decode: auto`` (on the CPU) a second pass measures each layer's **token
+        spread**: over the same tokens, the largest per-token range of the smoothed input
+        (``max_j |x_tj / s_j|``) over the median one. A layer whose spread is at most
+        ``w8a8_max_spread`` has tokens of alike range, so one scale for a decode call's rows
+        loses little, and its decode calls take fbgemm's one-kernel per-tensor path
+        (``Int8Linear.decode_per_tensor``); a layer with a few far louder tokens keeps
+        per-token scales. Prefill always quantises per token: a prompt's first tokens can be
+        hundreds of times louder than the rest."""
         if self._calibration_hook is not None:
             self._calibration_hook.remove()
             self._calibration_hook = None
@@ -426,26 +508,14 @@ class LowbitWeights(SamplerWeights):
         absmax: dict[str, torch.Tensor] = {}
         readers: dict[int, list[str]] = {}  # id of an input tensor: the layers that read it
         inputs: list[torch.Tensor] = []  # held so that no id is reused during the forward
-        hooks = []
-        for name, module in master.named_modules():
-            if name not in names:
-                continue
 
-            def record(mod: nn.Module, args: tuple, name: str = name) -> None:
-                inputs.append(args[0])
-                readers.setdefault(id(args[0]), []).append(name)
-                x = args[0].detach().reshape(-1, args[0].shape[-1])
-                if keep is not None and len(keep) == len(x):
-                    x = x[keep.to(x.device)]
-                a = x.float().abs().amax(0)
-                absmax[name] = torch.maximum(absmax[name], a) if name in absmax else a
+        def record(name: str, raw: torch.Tensor, x: torch.Tensor) -> None:
+            inputs.append(raw)
+            readers.setdefault(id(raw), []).append(name)
+            a = x.float().abs().amax(0)
+            absmax[name] = torch.maximum(absmax[name], a) if name in absmax else a
 
-            hooks.append(module.register_forward_pre_hook(record))
-        try:
-            master(input_ids=input_ids, attention_mask=attention_mask)
-        finally:
-            for h in hooks:
-                h.remove()
+        _with_layer_inputs(master, names, record, input_ids, attention_mask, keep)
         groups: dict[str, list[str]] = {name: [name] for name in absmax}
         for group in readers.values():  # layers that read one tensor share factors and input
             members = sorted(set(group))
@@ -464,8 +534,28 @@ class LowbitWeights(SamplerWeights):
                 layer.set_smoothing(a, weights, self.smooth_alpha)
                 layer.shared_input = shared
                 done.add(m)
+        self.spreads = {}
+        if self.w8a8_decode == "auto" and next(master.parameters()).device.type == "cpu":
+            self.spreads = self._token_spreads(master, names, input_ids, attention_mask, keep)
+            for name, spread in self.spreads.items():
+                self.model.get_submodule(name).decode_per_tensor = spread <= self.w8a8_max_spread
         self.calibrated = True
         self.refresh(master)
+
+    @torch.no_grad()
+    def _token_spreads(self, master: nn.Module, names: set[str], input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None, keep: torch.Tensor | None
+                       ) -> dict[str, float]:
+        """Per w8a8 layer: max over tokens of the smoothed input's range, over its median."""
+        spreads: dict[str, float] = {}
+
+        def record(name: str, raw: torch.Tensor, x: torch.Tensor) -> None:
+            ranges = (x.float() * self.model.get_submodule(name).inv_smooth).abs().amax(1)
+            if len(ranges):
+                spreads[name] = float(ranges.max() / ranges.median().clamp(min=1e-12))
+
+        _with_layer_inputs(master, names, record, input_ids, attention_mask, keep)
+        return spreads
 
     def _check_loaded(self, module: nn.Module, args: tuple) -> None:
         if self.released:

@@ -14,7 +14,7 @@ import pytest
 import rlmix_hf
 import rlmix_lowbit_rollout as lowbit
 import torch
-from rlmix_lowbit_rollout import Int8Linear, LowbitWeights, mismatch_metrics
+from rlmix_lowbit_rollout import Int8Linear, LowbitWeights, mismatch_metrics, quant
 from rlmix_lowbit_rollout.quant import CastLinear, PackedLinear, prepack_ok, quantize_rows
 
 from rlmix import async_sampling, loop
@@ -291,6 +291,74 @@ def test_w8a8_copy_calibrates_on_its_first_prompts_and_keeps_the_factors() -> No
     assert torch.equal(up.smooth, factors)
 
 
+class _LoudTokenModel(torch.nn.Module):
+    """Two linears; before the second, the first position of every row is made 300x louder
+    than the rest (as small LMs' first tokens are): the first reads tokens of alike range, the
+    second does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.embed = torch.nn.Embedding(50, 64)
+        self.first = torch.nn.Linear(64, 64)
+        self.second = torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        h = self.first(self.embed(input_ids))
+        if h.shape[1] > 1:
+            h = torch.cat([h[:, :1] * 300.0, h[:, 1:]], 1)
+        return self.second(h)
+
+
+def test_w8a8_decode_takes_one_scale_per_call_only_where_the_tokens_are_alike() -> None:
+    """``w8a8_decode: auto``: calibration measures each layer's token spread (largest per-token
+    range of the smoothed input over the median one); a layer at or under ``w8a8_max_spread``
+    runs its decode calls (one position per row) in fbgemm's per-tensor kernel, a layer over it
+    keeps per-token scales, and prefill is per token everywhere."""
+    master = _LoudTokenModel()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    copy = LowbitWeights(master, "int8", int8_kernel="w8a8", prepack=False)
+    with torch.no_grad():
+        prefill = copy.model(input_ids=ids)  # calibrates
+    first, second = copy.model.first, copy.model.second
+    assert copy.spreads["first"] <= 4.0 < 50.0 < copy.spreads["second"], copy.spreads
+    assert first.decode_per_tensor and first.packed is not None
+    assert not second.decode_per_tensor and second.packed is None
+    # the same copy with per-token scales everywhere computes the prefill bit for bit
+    token = LowbitWeights(master, "int8", int8_kernel="w8a8", prepack=False, w8a8_decode="token")
+    with torch.no_grad():
+        assert torch.equal(token.model(input_ids=ids), prefill)
+    assert token.spreads == {} and not token.model.first.decode_per_tensor
+    # a decode call: the first layer runs fbgemm on the smoothed input; still near the master
+    step = ids[:, -1:]
+    x = copy.model.embed(step)
+    with torch.no_grad():
+        got = first(x)
+        want = torch.ops.quantized.linear_dynamic(
+            (x.reshape(-1, 64) * first.inv_smooth).contiguous(), first.packed,
+            not quant._VNNI).reshape(got.shape)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, token.model.first(x))  # another path
+        assert _rel(got, master.first(x)) < 0.02
+        assert _rel(copy.model(input_ids=step), master(input_ids=step)) < 0.03
+    # the bound decides; at 1 (every token's range equal to the median) no layer qualifies
+    tight = LowbitWeights(master, "int8", int8_kernel="w8a8", prepack=False, w8a8_max_spread=1.0)
+    loose = LowbitWeights(master, "int8", int8_kernel="w8a8", prepack=False,
+                          w8a8_max_spread=1e6)
+    with torch.no_grad():
+        tight.model(input_ids=ids)
+        loose.model(input_ids=ids)
+    assert not tight.model.first.decode_per_tensor
+    assert loose.model.first.decode_per_tensor and loose.model.second.decode_per_tensor
+    with pytest.raises(ValueError, match="w8a8_decode"):
+        LowbitWeights(master, "int8", int8_kernel="w8a8", w8a8_decode="tensor")
+    with pytest.raises(ValueError, match="w8a8_max_spread"):
+        LowbitWeights(master, "int8", int8_kernel="w8a8", w8a8_max_spread=0.5)
+
+
 def test_the_copy_can_run_its_own_attention_implementation() -> None:
     master, _ = tiny_random()
     _scaled(master)
@@ -342,6 +410,7 @@ def test_a_released_copy_holds_no_weights_and_computes_the_same_after_refresh(
     with torch.no_grad():
         copy.model(input_ids=ids)  # w8a8 calibrates on its first forward (and refreshes)
         want = copy.model(input_ids=ids).logits
+        want_decode = copy.model(input_ids=ids[:, :1]).logits  # one position per row
     before = held()
     assert copy.release() is True and copy.released
     freed = copy._freeable()
@@ -356,6 +425,7 @@ def test_a_released_copy_holds_no_weights_and_computes_the_same_after_refresh(
     assert not copy.released and held() == before
     with torch.no_grad():
         assert torch.equal(copy.model(input_ids=ids).logits, want)  # bit for bit
+        assert torch.equal(copy.model(input_ids=ids[:, :1]).logits, want_decode)
     assert copy.release() and copy.release()  # twice in a row is harmless
     copy.refresh(master)
     with torch.no_grad():
@@ -460,6 +530,8 @@ def test_the_async_worker_samples_with_this_copy(tmp_path: Path) -> None:
     ("int8_kernel=dynamic", r"applies to precision int8 only"),
     ("smooth_alpha=1.5", r"smooth_alpha"),
     ("attention=flash", r"lowbit_rollout\.attention"),
+    ("precision=int8 int8_kernel=w8a8 w8a8_decode=tensor", r"lowbit_rollout\.w8a8_decode"),
+    ("precision=int8 int8_kernel=w8a8 w8a8_max_spread=0.5", r"w8a8_max_spread"),
     ("precision=fp32 attention=eager", r"needs a low-precision copy"),
 ])
 def test_bad_settings_fail_clearly(override: str, match: str) -> None:
