@@ -61,7 +61,7 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
     return q, scales
 
 
-def _fbgemm_has_vnni() -> bool:
+def _cpu_has_vnni() -> bool:
     """Whether this CPU multiplies u8 x s8 pairs into int32 directly (VNNI). Without it fbgemm
     sums pairs in saturating int16, which 8-bit activations can overflow, so they are reduced
     to 7 bits (``reduce_range``)."""
@@ -73,7 +73,7 @@ def _fbgemm_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
 
 
-_VNNI = _fbgemm_has_vnni()
+_VNNI = _cpu_has_vnni()
 
 
 def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Any:
@@ -84,6 +84,21 @@ def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | Non
             q.cpu(), scales.double().cpu(), torch.zeros(len(scales), dtype=torch.long), 0)
         return torch.ops.quantized.linear_prepack(qw, None if bias is None else
                                                   bias.float().cpu())
+
+
+def _once_per_input(cache: dict[str, Any] | None, key: str, x: torch.Tensor,
+                    compute: Callable[[], Any]) -> Any:
+    """``compute()``, kept in ``cache`` (a w8a8 layer group's ``shared_input``) under ``key``
+    while the input is the same tensor at the same version, so the layers that read one input
+    prepare it once; no cache: computed every call."""
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None and hit[0] is x and hit[1] == x._version:
+            return hit[2]
+    value = compute()
+    if cache is not None:
+        cache[key] = (x, x._version, value)
+    return value
 
 
 def _packed_kernel_ok(in_features: int) -> bool:
@@ -207,21 +222,16 @@ class Int8Linear(nn.Module):
         the per-token path is several small ops per layer."""
         cache = self.shared_input
         if self.packed is not None and x.dim() > 2 and x.shape[-2] == 1:
-            if cache is not None and cache.get("xs_of") is x and cache["xs_version"] == x._version:
-                xs = cache["xs"]
-            else:
-                xs = (x2.float() * self.inv_smooth).contiguous()
-                if cache is not None:
-                    cache.update(xs_of=x, xs_version=x._version, xs=xs)
+            xs = _once_per_input(cache, "smoothed", x,
+                                 lambda: (x2.float() * self.inv_smooth).contiguous())
             return torch.ops.quantized.linear_dynamic(xs, self.packed, not _VNNI)
-        if cache is not None and cache.get("x") is x and cache["version"] == x._version:
-            xq, row_scale = cache["xq"], cache["row_scale"]
-        else:
+
+        def quantized() -> tuple[torch.Tensor, torch.Tensor]:
             xq, row_scale = self._quantized_input(x2)
             on_cpu = self._int_mm and x2.device.type == "cpu"
-            xq = xq.to(torch.int8) if on_cpu else xq
-            if cache is not None:
-                cache.update(x=x, version=x._version, xq=xq, row_scale=row_scale)
+            return (xq.to(torch.int8) if on_cpu else xq), row_scale
+
+        xq, row_scale = _once_per_input(cache, "per_token", x, quantized)
         if xq.dtype == torch.int8:
             try:
                 acc = torch._int_mm(xq, self.qweight.t())
