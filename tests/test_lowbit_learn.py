@@ -83,9 +83,10 @@ def test_mismatch_bench_is_zero_against_itself_and_prints_every_copy(
 
 def test_decode_bench_times_every_copy_and_its_refresh_after_calibration(
         tmp_path: Path) -> None:
-    """bench/lowbit_decode.py in its plumbing mode: a row per copy and rows setting, the floor
-    from the weight bytes, and a refresh timed after the warm-up (when w8a8 has calibrated and
-    packs its decode layers for fbgemm as well)."""
+    """bench/lowbit_decode.py in its plumbing mode: a row per copy and rows setting with its
+    refresh time, both floors, and the ratio to the larger one. (That the refresh is timed after
+    the warm-up, once w8a8 has calibrated, is in the script's order of work; this test does not
+    see it.)"""
     skip_unless_installed(ROOT / "examples" / "lowbit-arith.yaml")
     bench = load_script(ROOT / "bench" / "lowbit_decode.py")
     variants = ["fp32", "bf16-packed-eager", "int8-w8a8", "int8-w8a8-token"]
