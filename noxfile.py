@@ -104,6 +104,34 @@ def _share_third_party(session: nox.Session, base: str) -> None:
     (Path(own) / "rlmix-shared-base.pth").write_text(site + "\n")
 
 
+# the most memory one test worker holds at once (its torch, a tiny model, a Ray or DeepSpeed
+# service started by a test): a worker count that overcommits memory turns OOM kills into a
+# cascade of failures, so memory bounds the count as well as the CPUs do
+_WORKER_MEMORY_BYTES = 3 * 2**30
+
+
+def _test_workers() -> int:
+    """Test workers for this machine: the CPUs this process may run on, capped by a cgroup CPU
+    quota and by the memory available. Not xdist's ``auto``, which counts the host's physical
+    cores (psutil) and so overcommits a container whose quota is smaller than its host."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:  # cgroup v2: "max 100000" (no quota) or "200000 100000" (2 CPUs)
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        meminfo = dict(line.split(":", 1) for line in lines)
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+        cpus = min(cpus, max(1, available // _WORKER_MEMORY_BYTES))
+    except (OSError, KeyError, ValueError):
+        pass
+    return cpus
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """The core, every helper library and every plugin installed editable; pytest over
@@ -117,8 +145,9 @@ def tests(session: nox.Session) -> None:
     # one worker per core (pytest-xdist), each test on one torch thread (tests/conftest.py):
     # on the 2-core CI machine this nearly halves the suite's wall time. RLMIX_TEST_WORKERS=0
     # runs everything in one process (for debugging).
-    workers = os.environ.get("RLMIX_TEST_WORKERS", "auto")
+    workers = os.environ.get("RLMIX_TEST_WORKERS") or str(_test_workers())
     parallel = ["-n", workers, "--dist", "loadgroup"] if workers != "0" else []
+    session.log(f"test workers: {workers}")
     session.run("pytest", "-q", *parallel, *test_dirs, *session.posargs)
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,50 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None,
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _machine_facts() -> str:
+    """What a failed CI log needs to tell a broken test from a starved machine."""
+    import resource
+    import tempfile
+
+    free_tmp = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    free_here = shutil.disk_usage(ROOT).free / 2**30
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        meminfo = dict(line.split(":", 1) for line in lines)
+        memory = f"{int(meminfo['MemAvailable'].split()[0]) / 2**20:.1f} GiB"
+    except (OSError, KeyError, ValueError):
+        memory = "unknown"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{cpus} CPUs, memory available {memory}, disk free {free_tmp:.1f} GiB (temp) / "
+            f"{free_here:.1f} GiB (checkout), open files <= "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}")
+
+
+_FACTS_AT_START: list[str] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller only
+        _FACTS_AT_START.append(_machine_facts())
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if _FACTS_AT_START:  # printed last, so that the tail of a failed CI log holds it
+        terminalreporter.write_line(f"machine at start: {_FACTS_AT_START[0]}")
+        terminalreporter.write_line(f"machine at end:   {_machine_facts()}")
+
+
+@pytest.fixture
+def venv_dir(tmp_path: Path) -> Iterator[Path]:
+    """Where a test makes a fresh virtualenv, deleted when the test ends, passed or failed: with
+    torch in it one is about 1 GB, and pytest keeps the last three runs' tmp_path folders, so
+    two such venvs a run would otherwise hold 6 GB of a CI machine's disk (a full disk fails
+    every later test that writes a file, and pytest's own output capture with them)."""
+    venv = tmp_path / "venv"
+    yield venv
+    shutil.rmtree(venv, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

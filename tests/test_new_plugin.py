@@ -47,7 +47,7 @@ def _run(cmd: list[str], timeout: float, cwd: Path | None = None,
 
 @pytest.mark.slow
 def test_generated_plugin_installs_alone_passes_tox_and_the_kit_and_trains(
-        tmp_path: Path) -> None:
+        tmp_path: Path, venv_dir: Path) -> None:
     if sys.version_info[:2] != (3, 11):
         pytest.skip("needs Python 3.11 (the torch 2.13.0 CPU wheel on this machine is cp311)")
     # 1. the package, written by the CLI of the environment that runs the tests
@@ -57,7 +57,7 @@ def test_generated_plugin_installs_alone_passes_tox_and_the_kit_and_trains(
     assert (plugin / "tox.ini").exists() and (plugin / "pyproject.toml").exists()
 
     # 2. a fresh environment with the core only, then the plugin
-    venv = tmp_path / "venv"
+    venv = venv_dir
     _run([sys.executable, "-m", "venv", venv], 120)
     py = venv / "bin" / "python"
     pip = [py, "-m", "pip", "install", "-q", "--no-compile"]

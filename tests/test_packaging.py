@@ -163,7 +163,8 @@ log: {progress: false}
 
 
 @pytest.mark.slow
-def test_fresh_venv_installs_one_algorithm_plugin_from_wheels(tmp_path: Path) -> None:
+def test_fresh_venv_installs_one_algorithm_plugin_from_wheels(tmp_path: Path,
+                                                             venv_dir: Path) -> None:
     """A fresh virtualenv, ``pip install --find-links dist rlmix rlmix-grpo`` (plus the env and
     rollout plugins a run needs), torch from constraints.txt: a two-step tiny-random run works,
     ``rlmix plugins`` lists exactly what was installed, and the optional extras stay out."""
@@ -172,7 +173,7 @@ def test_fresh_venv_installs_one_algorithm_plugin_from_wheels(tmp_path: Path) ->
     build_dist.build(dist, names, sdists=False,
                      isolation=importlib.util.find_spec("setuptools") is None)
     assert len(list(dist.glob("*.whl"))) == len(names)
-    venv = tmp_path / "venv"
+    venv = venv_dir
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
