@@ -142,7 +142,7 @@ def tests(session: nox.Session) -> None:
     session.install("ruff")
     test_dirs = ["tests"] + [f"{p}/tests" for p in (*LIBS, *PLUGINS)
                              if (ROOT / p / "tests").exists()]
-    # one worker per core (pytest-xdist), each test on one torch thread (tests/conftest.py):
+    # one worker per usable CPU (_test_workers), each test on one torch thread (tests/conftest.py):
     # on the 2-core CI machine this nearly halves the suite's wall time. RLMIX_TEST_WORKERS=0
     # runs everything in one process (for debugging).
     workers = os.environ.get("RLMIX_TEST_WORKERS") or str(_test_workers())
