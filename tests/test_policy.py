@@ -152,3 +152,48 @@ def test_shared_prefix_forward_equals_the_full_forward(tmp_path: Path) -> None:
     assert results[True][1].abs().max() > 0
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- policy.autocast: auto
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_auto_is_bf16_only_where_the_device_computes_it_natively(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        native: bool) -> None:
+    monkeypatch.setattr(policy, "native_bf16", lambda device: native)
+    cfg = manifest.read(EXAMPLE, [*TINY, f"out={tmp_path}", "policy.device=cpu",
+                                  "policy.autocast=auto"])
+    run, _ = loop.prepare(cfg)
+    loop.load_policy(run)
+    err = capsys.readouterr().err
+    assert run.policy.autocast_dtype == (torch.bfloat16 if native else None)
+    if native:
+        assert "autocast" not in err
+    else:  # the choice is said, on stderr and in the run's log
+        assert "policy.autocast auto -> none" in err
+        assert "policy.autocast auto -> none" in (tmp_path / "rlmix.log").read_text()
+
+
+def test_resolve_autocast_keeps_what_the_manifest_says_and_warns_on_emulated_bf16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy, "native_bf16", lambda device: False)
+    assert policy.resolve_autocast("none", "cpu") == ("none", None)
+    assert policy.resolve_autocast("float16", "cpu") == ("float16", None)
+    value, line = policy.resolve_autocast("bfloat16", "cpu")
+    assert value == "bfloat16" and line is not None and "warning" in line
+    assert "policy.autocast: auto" in line  # the fix is named
+    monkeypatch.setattr(policy, "native_bf16", lambda device: True)
+    assert policy.resolve_autocast("bfloat16", "cpu") == ("bfloat16", None)
+    assert policy.resolve_autocast("auto", "cpu") == ("bfloat16", None)
+
+
+def test_native_bf16_is_torchs_own_onednn_check_on_the_cpu() -> None:
+    # the same predicate torch uses to send a CPU bf16 matmul to oneDNN rather than its
+    # reference loop; never true for a device type that has no bf16 path here
+    assert policy.native_bf16("cpu") == bool(torch.backends.mkldnn.is_available() and
+                                              torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert policy.native_bf16("meta") is False
+    if not torch.cuda.is_available():
+        assert policy.native_bf16("cuda") is False
+    assert policy.cpu_capability() != ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from rlmix import (
 from rlmix import plugins as plugin_loading
 from rlmix.errors import ManifestError, PluginError, origin
 from rlmix.hookspecs import REQUIRED_HOOKS
-from rlmix.policy import Policy, load_model
+from rlmix.policy import Policy, load_model, resolve_autocast
 from rlmix.types import HarnessUpdate, RolloutBatch, Run
 
 
@@ -72,7 +73,11 @@ def load_policy(run: Run) -> None:
     model, tok = load_model(str(run.config.model), str(pol.dtype))
     if pol.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    run.policy = Policy(model, tok, device=device, autocast=str(pol.autocast),
+    autocast, line = resolve_autocast(str(pol.autocast), device)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+        runfolder.log(run.out_dir, line)
+    run.policy = Policy(model, tok, device=device, autocast=autocast,
                         share_prefix=bool(pol.share_prefix),
                         gradient_checkpointing=bool(pol.gradient_checkpointing),
                         lm_head_autocast=bool(pol.lm_head_autocast))
@@ -427,8 +432,6 @@ def _skip_nonfinite(run: Run, bad: dict[str, int], n: int) -> None:
     text = (f"rlmix: warning: step {run.step + 1}: non-finite rewards ({named}); step skipped "
             f"(no advantage, update or evolution; {state['nonfinite_steps']} skipped so far). "
             f"A weight of 0 in score.weights turns a term off")
-    import sys
-
     print(text, file=sys.stderr, flush=True)
     runfolder.log(run.out_dir, text)
 

@@ -129,7 +129,9 @@ class SamplingConfig:
 @dataclass
 class PolicyConfig:
     dtype: str = "float32"  # weights: float32 | bfloat16
-    autocast: str = "none"  # compute: none | bfloat16 (mixed precision, weights stay in dtype)
+    # compute: none | bfloat16 (mixed precision, weights stay in dtype) | float16 | auto
+    # (bfloat16 where the device computes it natively, rlmix.policy.native_bf16; else none)
+    autocast: str = "none"
     # with autocast: the LM head's matmul in the autocast dtype too (log-softmax stays fp32), as
     # TRL's bf16=True does; false: the LM head in fp32
     lm_head_autocast: bool = False
@@ -180,7 +182,7 @@ def check_choices(settings: Any, **choices: tuple[str, ...] | list[str]) -> None
 
 CORE_KEYS = tuple(f.name for f in dataclasses.fields(CoreConfig))
 _CHOICES = {"policy.dtype": ("float32", "bfloat16", "float16"),
-            "policy.autocast": ("none", "bfloat16", "float16"),
+            "policy.autocast": ("none", "bfloat16", "float16", "auto"),
             "policy.device": ("auto", "cpu", "cuda"),
             "train.mode": ("rl", "harness-only"),
             "train.lr_schedule": ("constant", "linear")}

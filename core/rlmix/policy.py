@@ -159,6 +159,47 @@ def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
     return model, tok
 
 
+def native_bf16(device: str | torch.device) -> bool:
+    """Whether ``device`` computes in bf16 at full speed: a CUDA device with bf16 support, or a
+    CPU whose bf16 matmuls torch routes through oneDNN (AVX512, AVX512-BF16 or AMX). An
+    AVX2-only CPU (most laptops, AMD Zen 3) has no such path: torch then runs bf16 matmuls in a
+    plain loop, several times slower than fp32 (BENCHMARKS.md, "bf16 without native bf16")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_capability() -> str:
+    """The widest vector ISA torch's CPU kernels use here (``AVX2``, ``AVX512``, ...)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an older torch, or a build without the query
+        return "unknown"
+
+
+def resolve_autocast(setting: str, device: str | torch.device) -> tuple[str, str | None]:
+    """``policy.autocast`` as the run uses it, and a line to tell the user, or None.
+
+    ``auto``: bfloat16 where ``device`` computes bf16 natively (``native_bf16``), else none.
+    An explicit ``bfloat16`` on a device without native bf16 is kept (the manifest said so)
+    but the line warns that it is slower than fp32 there."""
+    if setting == "auto":
+        if native_bf16(device):
+            return "bfloat16", None
+        return "none", (f"rlmix: policy.autocast auto -> none: this {torch.device(device).type} "
+                        f"has no native bf16 ({cpu_capability()}), where fp32 is faster")
+    if setting == "bfloat16" and not native_bf16(device):
+        return setting, (f"rlmix: warning: policy.autocast bfloat16 on a "
+                         f"{torch.device(device).type} without native bf16 "
+                         f"({cpu_capability()}): torch emulates bf16 matmuls here, several "
+                         f"times slower than fp32; policy.autocast: auto picks the faster one")
+    return setting, None
+
+
 class Policy:
     """The trained model, its tokenizer, and log-prob computation through the kernels hook."""
 

@@ -48,7 +48,10 @@ __all__ = ["CastLinear", "Int8Linear", "LowbitWeights", "PackedLinear", "Setting
 
 @dataclass
 class Settings:
-    precision: str = "bf16"  # sampler weights: fp32 (the master itself) | bf16 | int8
+    # sampler weights: fp32 (the master itself) | bf16 | int8 | auto (bf16 where the policy's
+    # device computes bf16 natively, rlmix.policy.native_bf16; else fp32: on an AVX2-only CPU a
+    # bf16 copy samples about 2x slower than the fp32 master, BENCHMARKS.md)
+    precision: str = "bf16"
     # int8 linears: weight_only (int8 weights x bf16 activations, torch._weight_int8pack_mm) |
     # dynamic (int8 weights x activations quantised per call, one scale per tensor, fbgemm) |
     # w8a8 (SmoothQuant-smoothed int8 weights x activations quantised per token, torch._int_mm)
@@ -75,7 +78,8 @@ class Settings:
     metrics: bool = True  # log the rollout-training mismatch every step
 
     def __post_init__(self) -> None:
-        rlmix.check_choices(self, precision=PRECISIONS, int8_kernel=KERNELS, lm_head=HEADS,
+        rlmix.check_choices(self, precision=(*PRECISIONS, "auto"), int8_kernel=KERNELS,
+                            lm_head=HEADS,
                             attention=ATTENTIONS, w8a8_decode=W8A8_DECODE)
         if not self.w8a8_max_spread >= 1.0:
             raise ValueError(f"w8a8_max_spread: {self.w8a8_max_spread} is below 1 (a ratio of "
@@ -155,12 +159,42 @@ def rlmix_configure(run: Run) -> None:
                                 f"is on {run.policy.device.type} (use weight_only)")
 
 
+def resolve_precision(precision: str, device: Any) -> tuple[str, str | None]:
+    """``precision`` as the copy is built, and a line to tell the user, or None: ``auto`` is
+    bf16 where ``device`` computes bf16 natively, else fp32 (no copy); an explicit bf16 on a
+    device without native bf16 is kept, with a warning."""
+    from rlmix.policy import cpu_capability, native_bf16
+
+    native = native_bf16(device)
+    kind = torch.device(device).type
+    if precision == "auto":
+        if native:
+            return "bf16", None
+        return "fp32", (f"rlmix: {NAME}.precision auto -> fp32 (the master samples; no copy): "
+                        f"this {kind} has no native bf16 ({cpu_capability()})")
+    if precision == "bf16" and not native:
+        return precision, (f"rlmix: warning: {NAME}.precision bf16 on a {kind} without native "
+                           f"bf16 ({cpu_capability()}): this copy samples slower than the fp32 "
+                           f"master here; precision: auto picks the faster one")
+    return precision, None
+
+
 @rlmix.hookimpl
 def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     s: Settings = run.settings(NAME)
-    if s.precision == "fp32":
+    device = next(master.parameters()).device
+    precision, line = resolve_precision(s.precision, device)
+    if line is not None:
+        import sys
+
+        from rlmix import runfolder
+
+        print(line, file=sys.stderr, flush=True)
+        runfolder.log(run.out_dir, line)
+    run.plugin_resources(NAME)["precision"] = precision
+    if precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
-    return LowbitWeights(master, s.precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
+    return LowbitWeights(master, precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
                          s.prepack, s.free_while_training, s.attention, s.w8a8_decode,
                          s.w8a8_max_spread)
 
