@@ -197,3 +197,6 @@ def test_native_bf16_is_torchs_own_onednn_check_on_the_cpu() -> None:
     if not torch.cuda.is_available():
         assert policy.native_bf16("cuda") is False
     assert policy.cpu_capability() != ""
+    # a message names the CPU's ISA only for a CPU
+    assert policy.cpu_capability() in policy.without_native_bf16("cpu")
+    assert policy.without_native_bf16("cuda") == "this cuda device has no native bf16"

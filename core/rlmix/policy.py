@@ -161,9 +161,12 @@ def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
 
 def native_bf16(device: str | torch.device) -> bool:
     """Whether ``device`` computes in bf16 at full speed: a CUDA device with bf16 support, or a
-    CPU whose bf16 matmuls torch routes through oneDNN (AVX512, AVX512-BF16 or AMX). An
-    AVX2-only CPU (most laptops, AMD Zen 3) has no such path: torch then runs bf16 matmuls in a
-    plain loop, several times slower than fp32 (BENCHMARKS.md, "bf16 without native bf16")."""
+    CPU whose bf16 matmuls torch routes through oneDNN (``_is_mkldnn_bf16_supported``: AVX512
+    and newer). An AVX2-only CPU (most laptops, AMD Zen 3) has no such path: torch then runs
+    bf16 matmuls in a plain loop, several times slower than fp32 (BENCHMARKS.md, "bf16 without
+    native bf16"). The bf16 figures in BENCHMARKS.md come from CPUs with the AVX512-BF16
+    instructions; an AVX512 CPU without them passes this check (oneDNN converts to fp32 in
+    registers) and has not been measured."""
     device = torch.device(device)
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
@@ -181,6 +184,14 @@ def cpu_capability() -> str:
         return "unknown"
 
 
+def without_native_bf16(device: str | torch.device) -> str:
+    """The phrase a message uses for ``device`` when ``native_bf16`` is false."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return f"this CPU has no native bf16 ({cpu_capability()})"
+    return f"this {kind} device has no native bf16"
+
+
 def resolve_autocast(setting: str, device: str | torch.device) -> tuple[str, str | None]:
     """``policy.autocast`` as the run uses it, and a line to tell the user, or None.
 
@@ -190,13 +201,13 @@ def resolve_autocast(setting: str, device: str | torch.device) -> tuple[str, str
     if setting == "auto":
         if native_bf16(device):
             return "bfloat16", None
-        return "none", (f"rlmix: policy.autocast auto -> none: this {torch.device(device).type} "
-                        f"has no native bf16 ({cpu_capability()}), where fp32 is faster")
+        return "none", (f"rlmix: policy.autocast auto -> none: {without_native_bf16(device)}, "
+                        f"where fp32 is faster")
     if setting == "bfloat16" and not native_bf16(device):
-        return setting, (f"rlmix: warning: policy.autocast bfloat16 on a "
-                         f"{torch.device(device).type} without native bf16 "
-                         f"({cpu_capability()}): torch emulates bf16 matmuls here, several "
-                         f"times slower than fp32; policy.autocast: auto picks the faster one")
+        return setting, (f"rlmix: warning: policy.autocast bfloat16, but "
+                         f"{without_native_bf16(device)}: bf16 matmuls are emulated here, "
+                         f"several times slower than fp32; policy.autocast: auto picks the "
+                         f"faster one")
     return setting, None
 
 

@@ -163,19 +163,18 @@ def resolve_precision(precision: str, device: Any) -> tuple[str, str | None]:
     """``precision`` as the copy is built, and a line to tell the user, or None: ``auto`` is
     bf16 where ``device`` computes bf16 natively, else fp32 (no copy); an explicit bf16 on a
     device without native bf16 is kept, with a warning."""
-    from rlmix.policy import cpu_capability, native_bf16
+    from rlmix.policy import native_bf16, without_native_bf16
 
     native = native_bf16(device)
-    kind = torch.device(device).type
     if precision == "auto":
         if native:
             return "bf16", None
         return "fp32", (f"rlmix: {NAME}.precision auto -> fp32 (the master samples; no copy): "
-                        f"this {kind} has no native bf16 ({cpu_capability()})")
+                        f"{without_native_bf16(device)}")
     if precision == "bf16" and not native:
-        return precision, (f"rlmix: warning: {NAME}.precision bf16 on a {kind} without native "
-                           f"bf16 ({cpu_capability()}): this copy samples slower than the fp32 "
-                           f"master here; precision: auto picks the faster one")
+        return precision, (f"rlmix: warning: {NAME}.precision bf16, but "
+                           f"{without_native_bf16(device)}: this copy samples slower than the "
+                           f"fp32 master here; precision: auto picks the faster one")
     return precision, None
 
 
