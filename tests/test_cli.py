@@ -92,6 +92,22 @@ def test_eval_rejects_a_folder_without_checkpoint(tmp_path: Path,
     assert "not a checkpoint folder" in capsys.readouterr().err
 
 
+def test_eval_says_the_autocast_choice_on_stdout_and_writes_no_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmix import policy
+
+    monkeypatch.setattr(policy, "native_bf16", lambda device: False)  # as on an AVX2 CPU
+    out = tmp_path / "eval-out"
+    code = cli.main(["eval", str(EXAMPLE), *TINY, "policy.autocast=auto", f"out={out}"])
+    said = capsys.readouterr()
+    assert code == 0
+    assert said.err == ""  # stderr stays for warnings and errors
+    assert "policy.autocast auto -> none" in said.out
+    assert json.loads(said.out.strip().splitlines()[-1])["checkpoint"] == "base model"
+    assert not out.exists()  # the note did not make a run folder
+
+
 def test_eval_without_checkpoint_evaluates_the_base_model(
         tiny_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logged = {r["step"]: r for r in read_jsonl(tiny_run_dir / "metrics.jsonl")}

@@ -75,8 +75,7 @@ def load_policy(run: Run) -> None:
         model.gradient_checkpointing_enable()
     autocast, line = resolve_autocast(str(pol.autocast), device)
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
-        runfolder.log(run.out_dir, line)
+        runfolder.note(run.out_dir, line)
     run.policy = Policy(model, tok, device=device, autocast=autocast,
                         share_prefix=bool(pol.share_prefix),
                         gradient_checkpointing=bool(pol.gradient_checkpointing),

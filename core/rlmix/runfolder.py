@@ -165,6 +165,18 @@ def log(out_dir: Path | None, text: str) -> None:
         pass
 
 
+def note(out_dir: Path | None, text: str) -> None:
+    """Tell the user ``text`` and keep it in the run's log. A line that starts with ``rlmix:
+    warning`` goes to stderr, anything else to stdout (so that an error stays the one line on
+    stderr). The log is written only where the run folder exists: evaluating makes none."""
+    import sys
+
+    print(text, file=sys.stderr if text.startswith("rlmix: warning") else sys.stdout,
+          flush=True)
+    if out_dir is not None and out_dir.is_dir():
+        log(out_dir, text)
+
+
 def log_exception(out_dir: Path | None, exc: BaseException) -> Path | None:
     """Write ``exc``'s traceback to the run's log; returns the log's path (None if not
     written)."""

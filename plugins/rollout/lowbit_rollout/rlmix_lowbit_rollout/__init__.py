@@ -184,12 +184,9 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     device = next(master.parameters()).device
     precision, line = resolve_precision(s.precision, device)
     if line is not None:
-        import sys
-
         from rlmix import runfolder
 
-        print(line, file=sys.stderr, flush=True)
-        runfolder.log(run.out_dir, line)
+        runfolder.note(run.out_dir, line)
     run.plugin_resources(NAME)["precision"] = precision
     if precision == "fp32":
         return None  # sample with the master itself (the metrics still run)
