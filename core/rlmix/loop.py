@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -431,8 +430,7 @@ def _skip_nonfinite(run: Run, bad: dict[str, int], n: int) -> None:
     text = (f"rlmix: warning: step {run.step + 1}: non-finite rewards ({named}); step skipped "
             f"(no advantage, update or evolution; {state['nonfinite_steps']} skipped so far). "
             f"A weight of 0 in score.weights turns a term off")
-    print(text, file=sys.stderr, flush=True)
-    runfolder.log(run.out_dir, text)
+    runfolder.note(run.out_dir, text)  # a warning: stderr, and the run's log
 
 
 def _observer(run: Run) -> observe.ObservePlugin:

@@ -170,10 +170,12 @@ def native_bf16(device: str | torch.device) -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if device.type != "cpu":
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return bool(torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without the query
+        return False
 
 
 def cpu_capability() -> str:

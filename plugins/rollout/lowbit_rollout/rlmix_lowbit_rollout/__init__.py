@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 import rlmix
-from rlmix import ops
+import rlmix.policy
+from rlmix import ops, runfolder
 from rlmix.types import LossTerms, Minibatch, RolloutBatch, Run
 
 from .quant import (
@@ -163,18 +164,16 @@ def resolve_precision(precision: str, device: Any) -> tuple[str, str | None]:
     """``precision`` as the copy is built, and a line to tell the user, or None: ``auto`` is
     bf16 where ``device`` computes bf16 natively, else fp32 (no copy); an explicit bf16 on a
     device without native bf16 is kept, with a warning."""
-    from rlmix.policy import native_bf16, without_native_bf16
-
-    native = native_bf16(device)
+    native = rlmix.policy.native_bf16(device)  # looked up at call time (tests replace it)
+    why = rlmix.policy.without_native_bf16(device)
     if precision == "auto":
         if native:
             return "bf16", None
-        return "fp32", (f"rlmix: {NAME}.precision auto -> fp32 (the master samples; no copy): "
-                        f"{without_native_bf16(device)}")
+        return "fp32", f"rlmix: {NAME}.precision auto -> fp32 (the master samples; no copy): {why}"
     if precision == "bf16" and not native:
-        return precision, (f"rlmix: warning: {NAME}.precision bf16, but "
-                           f"{without_native_bf16(device)}: this copy samples slower than the "
-                           f"fp32 master here; precision: auto picks the faster one")
+        return precision, (f"rlmix: warning: {NAME}.precision bf16, but {why}: this copy samples "
+                           f"slower than the fp32 master here; precision: auto picks the faster "
+                           f"one")
     return precision, None
 
 
@@ -184,8 +183,6 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
     device = next(master.parameters()).device
     precision, line = resolve_precision(s.precision, device)
     if line is not None:
-        from rlmix import runfolder
-
         runfolder.note(run.out_dir, line)
     run.plugin_resources(NAME)["precision"] = precision
     if precision == "fp32":

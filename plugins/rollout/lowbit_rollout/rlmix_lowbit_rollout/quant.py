@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlmix.policy import native_bf16
 from rlmix.sampler_weights import SamplerWeights
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -249,16 +250,13 @@ class Int8Linear(nn.Module):
 
 
 def prepack_ok(device: Any) -> bool:
-    """Whether bf16 weights can be pre-packed for oneDNN on ``device``: a CPU, a torch built with
-    oneDNN, and a CPU with native bf16 (AVX512-BF16 / AMX) where oneDNN's bf16 path is fast."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    """Whether bf16 weights can be pre-packed for oneDNN on ``device``: a CPU with native bf16
+    (``rlmix.policy.native_bf16``: torch sends its bf16 matmuls to oneDNN there) and a torch
+    that has oneDNN's packing ops."""
+    if torch.device(device).type != "cpu" or not native_bf16(device):
         return False
     ops = torch.ops.mkldnn
-    try:
-        return bool(hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-                    and ops._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
 class PackedLinear(nn.Module):
