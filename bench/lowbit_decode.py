@@ -60,6 +60,9 @@ VARIANTS = {  # name: (precision, lm_head, int8_kernel, prepack); "-eager": eage
     "int8-w8a8": ("int8", "auto", "w8a8", False),
     "int8-w8a8-eager": ("int8", "auto", "w8a8", False),
     "int8-w8a8-token": ("int8", "auto", "w8a8", False),
+    "int8-w8a8-intmm": ("int8", "auto", "w8a8", False),  # per-token GEMM torch._int_mm
+    "int8-w8a8-fbgemm": ("int8", "auto", "w8a8", False),  # per-token GEMM fbgemm
+    "int8-w8a8-fp32head": ("int8", "fp32", "w8a8", False),
     "int8-w8a8-bf16head": ("int8", "bf16", "w8a8", False),
     "int8-w8a8-packedhead": ("int8", "bf16", "w8a8", True),
 }
@@ -99,6 +102,11 @@ def fp32_weight_bytes(model: Any) -> int:
     head = model.get_output_embeddings()
     skip = {id(p) for p in emb.parameters()} - {id(p) for p in head.parameters()}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def w8a8_gemm(variant: str) -> str:
+    """The w8a8 per-token GEMM a variant forces (``-intmm``, ``-fbgemm``), else ``auto``."""
+    return {"intmm": "int_mm", "fbgemm": "fbgemm"}.get(variant.rsplit("-", 1)[-1], "auto")
 
 
 def decode_time(model: Any, ids: torch.Tensor, attn: torch.Tensor, rows: int, tokens: int,
@@ -155,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         weights = LowbitWeights(master, precision, head, kernel, prepack=prepack,
                                 attention=attention,
-                                w8a8_decode="token" if name.endswith("-token") else "auto")
+                                w8a8_decode="token" if name.endswith("-token") else "auto",
+                                w8a8_gemm=w8a8_gemm(name))
         copies[name] = (weights.model, weights.weight_bytes(), 0.0)
         built[name] = weights
     results: list[dict[str, Any]] = []

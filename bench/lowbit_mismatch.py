@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from lowbit_decode import VARIANTS as DECODE_VARIANTS  # noqa: E402  (also finds the plugin)
+from lowbit_decode import w8a8_gemm  # noqa: E402
 
 #: name: (precision, lm_head, int8_kernel, prepack): the decode bench's copies, and the dynamic
 #: kernel with a higher-precision head (does the head or the body carry the mismatch?)
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         copy = master if precision == "fp32" else LowbitWeights(  # fp32: the master, 0
             master, precision, lm_head=head, int8_kernel=kernel, prepack=prepack,
             attention=attention,
-            w8a8_decode="token" if name.endswith("-token") else "auto").model
+            w8a8_decode="token" if name.endswith("-token") else "auto",
+            w8a8_gemm=w8a8_gemm(name)).model
         r = mismatch(master, copy, tok, prompts, args.tokens, args.seed)
         sample = r["sample"].replace("\n", " ").replace("|", "/")[:60]
         print(f"| {name} | {r['mean']:.3f} | {r['max']:.2f} | {r['rescored_mean']:.3f} | "

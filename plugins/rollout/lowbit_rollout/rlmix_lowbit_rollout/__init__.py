@@ -32,6 +32,7 @@ from .quant import (
     KERNELS,
     PRECISIONS,
     W8A8_DECODE,
+    W8A8_GEMMS,
     CastLinear,
     Int8Linear,
     LowbitWeights,
@@ -65,6 +66,10 @@ class Settings:
     # w8a8, auto: the largest token spread (a layer's largest per-token input range over the
     # median token's, at calibration) whose decode calls take one scale per call
     w8a8_max_spread: float = 4.0
+    # w8a8 on the CPU, the per-token int8 GEMM: auto (torch._int_mm where the CPU has VNNI, else
+    # fbgemm: without VNNI torch._int_mm is a reference loop, far slower than fp32) | int_mm |
+    # fbgemm (fbgemm's kernel on rows scaled to unit range, so its one scale fits each token)
+    w8a8_gemm: str = "auto"
     lm_head: str = "auto"  # the LM head: auto (the copy's precision) | fp32 | bf16 | int8
     # bf16 linears (and a bf16 head) hold their weight pre-packed for oneDNN, re-packed at each
     # refresh: no per-call re-layout of the weight. CPU with native bf16 only; ignored elsewhere
@@ -81,7 +86,8 @@ class Settings:
     def __post_init__(self) -> None:
         rlmix.check_choices(self, precision=(*PRECISIONS, "auto"), int8_kernel=KERNELS,
                             lm_head=HEADS,
-                            attention=ATTENTIONS, w8a8_decode=W8A8_DECODE)
+                            attention=ATTENTIONS, w8a8_decode=W8A8_DECODE,
+                            w8a8_gemm=W8A8_GEMMS)
         if not self.w8a8_max_spread >= 1.0:
             raise ValueError(f"w8a8_max_spread: {self.w8a8_max_spread} is below 1 (a ratio of "
                              f"the largest token range to the median one)")
@@ -189,7 +195,7 @@ def rlmix_sampler_weights(run: Run, master: Any) -> LowbitWeights | None:
         return None  # sample with the master itself (the metrics still run)
     return LowbitWeights(master, precision, s.lm_head, s.int8_kernel, s.smooth_alpha,
                          s.prepack, s.free_while_training, s.attention, s.w8a8_decode,
-                         s.w8a8_max_spread)
+                         s.w8a8_max_spread, s.w8a8_gemm)
 
 
 @rlmix.hookimpl(wrapper=True)

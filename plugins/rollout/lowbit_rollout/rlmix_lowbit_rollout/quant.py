@@ -6,8 +6,9 @@ weights with one scale per output row. Pure torch (CPU kernels of torch itself),
   ``weight_only`` (``torch._weight_int8pack_mm``: int8 weights, bf16 activations, fp32
   accumulation) and ``dynamic`` (fbgemm's ``quantized.linear_dynamic``: the activations are
   quantised to 8 bits per call too, with one scale per tensor, fp32 in and out), and ``w8a8``
-  (SmoothQuant-smoothed weights and activations quantised per token, ``torch._int_mm``: see
-  ``Int8Linear.forward`` and ``LowbitWeights.calibrate``).
+  (SmoothQuant-smoothed weights and activations quantised per token, ``torch._int_mm``, or on a
+  CPU without VNNI fbgemm's kernel on rows scaled to unit range: see ``Int8Linear.forward`` and
+  ``LowbitWeights.calibrate``).
 * ``PackedLinear``: a bf16 linear whose weight is held pre-packed in oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, once per refresh), so a call runs the matmul
   without re-laying the weight out first, which plain ``F.linear`` on a bf16 CPU tensor does on
@@ -38,6 +39,7 @@ from rlmix.sampler_weights import SamplerWeights
 PRECISIONS = ("fp32", "bf16", "int8")
 KERNELS = ("weight_only", "dynamic", "w8a8")
 W8A8_DECODE = ("auto", "token")  # w8a8's activation scales on decode calls (see Int8Linear)
+W8A8_GEMMS = ("auto", "int_mm", "fbgemm")  # w8a8's per-token int8 GEMM (see Int8Linear)
 HEADS = ("auto", "fp32", "bf16", "int8")
 ATTENTIONS = ("model", "eager", "sdpa")  # the copy's attention implementation (transformers')
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -45,19 +47,21 @@ FP32_KERNELS = ("dynamic", "w8a8")  # kernels that take fp32 activations
 _ROWS = 8192  # rows quantised at once (bounds the fp32 temporary of the LM head)
 
 
-def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32,
+                  qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8 [N, K], scales [N])`` with ``weight ~= q * scales[:, None]``: symmetric, one
-    scale per output row, ``|q| <= 127``, ``|weight - q s| <= s / 2``. The scales are exact in
+    scale per output row, ``|q| <= qmax``, ``|weight - q s| <= s / 2``. The scales are exact in
     ``scale_dtype`` (rounded up into it before ``q`` is computed, so no value is clipped)."""
+    if not 1 <= qmax <= 127:
+        raise ValueError(f"qmax is in [1, 127], not {qmax}")
     w = weight.detach()
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scales = torch.empty(w.shape[0], dtype=scale_dtype, device=w.device)
     up = 1.0 if scale_dtype == torch.float32 else 1.0 + 2.0 ** -7  # above bf16's rounding
     for start in range(0, w.shape[0], _ROWS):
         rows = w[start:start + _ROWS].float()
-        s = (rows.abs().amax(1).clamp_(min=1e-8) / 127.0 * up).to(scale_dtype).float()
-        q[start:start + _ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        s = (rows.abs().amax(1).clamp_(min=1e-8) / float(qmax) * up).to(scale_dtype).float()
+        q[start:start + _ROWS] = torch.round(rows / s[:, None]).clamp_(-qmax, qmax).to(torch.int8)
         scales[start:start + _ROWS] = s
     return q, scales
 
@@ -75,6 +79,22 @@ def _cpu_has_vnni() -> bool:
 
 
 _VNNI = _cpu_has_vnni()
+# Without VNNI fbgemm adds pairs of u8 x s8 products in saturating int16: with 8-bit
+# activations (u8 <= 255) that is exact while |q| <= 63 (255 * 63 * 2 = 32130 <= 32767), so
+# w8a8 stores 7-bit weights there and keeps 8-bit activations, rather than 8-bit weights with
+# 7-bit activations (``reduce_range``): SmoothQuant has already moved the hard range into the
+# weights, and on SmolLM2 this halves the sampler's mismatch (BENCHMARKS.md)
+_NO_VNNI_QMAX = 63
+
+
+def resolve_w8a8_gemm(gemm: str) -> str:
+    """The GEMM behind w8a8's per-token calls on the CPU for ``gemm: auto``: ``torch._int_mm``
+    where the CPU has VNNI, else ``fbgemm``. Without VNNI torch's int8 GEMM runs a reference
+    loop, 15-30x slower than the fp32 matmul at 8 rows (measured on an AVX2 EPYC,
+    BENCHMARKS.md), while fbgemm's kernel beats fp32."""
+    if gemm not in W8A8_GEMMS:
+        raise ValueError(f"w8a8_gemm is one of {W8A8_GEMMS}, not {gemm!r}")
+    return gemm if gemm != "auto" else ("int_mm" if _VNNI else "fbgemm")
 
 
 def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Any:
@@ -85,6 +105,17 @@ def _fbgemm_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | Non
             q.cpu(), scales.double().cpu(), torch.zeros(len(scales), dtype=torch.long), 0)
         return torch.ops.quantized.linear_prepack(qw, None if bias is None else
                                                   bias.float().cpu())
+
+
+def _fbgemm_pack_unscaled(q: torch.Tensor) -> Any:
+    """fbgemm's pre-packed int8 weight ``q`` with one scale of 1 (zero point 0): the caller
+    multiplies the output by the per-row scales. Packing per tensor skips torch's per-channel
+    scale handling, which reads every row's scale on its own and took most of a w8a8 copy's
+    refresh (about 200k rows on SmolLM2)."""
+    with warnings.catch_warnings():  # torch marks quantized tensors as deprecated
+        warnings.simplefilter("ignore")
+        return torch.ops.quantized.linear_prepack(
+            torch._make_per_tensor_quantized_tensor(q.cpu(), 1.0, 0), None)
 
 
 def _once_per_input(cache: dict[str, Any] | None, key: str, x: torch.Tensor,
@@ -112,7 +143,8 @@ class Int8Linear(nn.Module):
     """A frozen linear layer with int8 weights and per-output-row scales (see module doc)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kernel: str = "weight_only",
-                 act_dtype: torch.dtype = torch.bfloat16, device: Any = None) -> None:
+                 act_dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                 w8a8_gemm: str = "auto") -> None:
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"int8 kernel {kernel!r} is not one of {', '.join(KERNELS)}")
@@ -133,6 +165,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("inv_smooth", torch.ones(in_features, device=device)
                              if kernel == "w8a8" else None)
         self._int_mm = kernel == "w8a8" and hasattr(torch, "_int_mm")
+        # w8a8 on the CPU: the per-token GEMM, torch._int_mm or fbgemm's dynamic kernel fed rows
+        # divided by their own absolute maximum, so that its one scale per call is one per token
+        self.w8a8_gemm = resolve_w8a8_gemm(w8a8_gemm)
         # w8a8: a dict shared by the layers that read one input (q/k/v; gate/up), holding that
         # input quantised once; set by LowbitWeights.calibrate (None: quantise per call)
         self.shared_input: dict[str, Any] | None = None
@@ -147,25 +182,46 @@ class Int8Linear(nn.Module):
         ``w8a8``, ``weight diag(smooth)``)."""
         if self.smooth is not None:
             weight = weight.detach().float() * self.smooth
-        q, scales = quantize_rows(weight, self.scales.dtype)
+        q, scales = quantize_rows(weight, self.scales.dtype, self._qmax(weight.device))
         self.scales.copy_(scales)
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
-        if self.kernel != "dynamic":
+        fbgemm_only = self.kernel == "dynamic" or self._fbgemm_tokens(q.device)
+        if not fbgemm_only:
             self.qweight.copy_(q)
-        else:  # fbgemm keeps its own packed copy: the int8 buffer is not kept twice
+        else:  # every call runs fbgemm's packed copy: the int8 buffer is not kept twice
             self.qweight = torch.empty(0, dtype=torch.int8, device=q.device)
-        if self.kernel == "dynamic" or (self.decode_per_tensor and q.device.type == "cpu"):
+        if self.kernel == "dynamic":
             self.packed = _fbgemm_pack(q, scales, self.bias)
+        elif self.kernel == "w8a8" and q.device.type == "cpu" and \
+                (self.decode_per_tensor or fbgemm_only):
+            self.packed = _fbgemm_pack_unscaled(q)  # w8a8 scales and adds the bias after
         else:
             self.packed = None
+
+    def _fbgemm_tokens(self, device: torch.device) -> bool:
+        """Whether this w8a8 layer's per-token calls (and so all its calls) run fbgemm."""
+        return self.kernel == "w8a8" and device.type == "cpu" and self.w8a8_gemm == "fbgemm"
+
+    def _qmax(self, device: torch.device) -> int:
+        """The largest stored weight magnitude: 127, or under w8a8 on a CPU without VNNI 63,
+        which keeps fbgemm's int16 pair sums exact with 8-bit activations (see _NO_VNNI_QMAX)."""
+        return _NO_VNNI_QMAX if self.kernel == "w8a8" and device.type == "cpu" and \
+            not _VNNI else 127
+
+    def int8_weight(self) -> torch.Tensor:
+        """The stored int8 values ``q`` (``[out, in]``), from the plain buffer or, where only
+        fbgemm's packed copy is kept, unpacked from it."""
+        if self.qweight.numel() == 0 and self.packed is not None:
+            return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
+        return self.qweight
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``q * s`` (under ``w8a8`` with the smoothing
         undone), in fp32."""
         if self.kernel == "dynamic":
             return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
-        w = self.qweight.float() * self.scales.float()[:, None]
+        w = self.int8_weight().float() * self.scales.float()[:, None]
         return w * self.inv_smooth if self.smooth is not None else w
 
     @torch.no_grad()
@@ -214,18 +270,36 @@ class Int8Linear(nn.Module):
         row_scale = x.abs().amax(1, keepdim=True).clamp_(min=1e-8).div_(127.0)
         return torch.round(x / row_scale), row_scale
 
+    def _unit_rows(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x diag(1/smooth)`` with each row divided by its absolute maximum (``[rows, in]``,
+        every row's largest magnitude 1), and those maxima (``[rows, 1]``)."""
+        x = x2.float() * self.inv_smooth
+        row_max = x.abs().amax(1, keepdim=True).clamp_(min=1e-8)
+        return (x / row_max).contiguous(), row_max
+
     def _w8a8(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         """int8 input x int8 weight in int32, scaled back by row scale x weight-row scale. Layers
         that read the same input tensor (q/k/v, gate/up: ``shared_input``, set at calibration,
         with shared smoothing factors) quantise it once. With ``decode_per_tensor``, a decode
         call (one position per row) instead runs fbgemm's dynamic kernel on the smoothed
         input: one activation scale for the call, computed and applied inside one kernel, where
-        the per-token path is several small ops per layer."""
+        the per-token path is several small ops per layer. Per token on the CPU with
+        ``w8a8_gemm: fbgemm``, each row of the smoothed input is divided by its absolute
+        maximum before that kernel and its output row multiplied back: the kernel's one scale
+        then fits every token alike, which is per-token quantisation. fbgemm's activations are
+        8-bit in both paths; without VNNI the weights are 7-bit (``_NO_VNNI_QMAX``)."""
         cache = self.shared_input
-        if self.packed is not None and x.dim() > 2 and x.shape[-2] == 1:
+        if self.packed is not None and self.decode_per_tensor and x.dim() > 2 and \
+                x.shape[-2] == 1:
             xs = _once_per_input(cache, "smoothed", x,
                                  lambda: (x2.float() * self.inv_smooth).contiguous())
-            return torch.ops.quantized.linear_dynamic(xs, self.packed, not _VNNI)
+            y = torch.ops.quantized.linear_dynamic(xs, self.packed, False).mul_(self.scales)
+            return y + self.bias if self.bias is not None else y
+        if self.packed is not None and self.w8a8_gemm == "fbgemm":
+            xn, row_max = _once_per_input(cache, "unit_rows", x, lambda: self._unit_rows(x2))
+            y = torch.ops.quantized.linear_dynamic(xn, self.packed, False).mul_(
+                row_max * self.scales)
+            return y + self.bias if self.bias is not None else y
 
         def quantized() -> tuple[torch.Tensor, torch.Tensor]:
             xq, row_scale = self._quantized_input(x2)
@@ -245,8 +319,9 @@ class Int8Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
+        gemm = f", w8a8_gemm={self.w8a8_gemm}" if self.kernel == "w8a8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"kernel={self.kernel}, bias={self.bias is not None}")
+                f"kernel={self.kernel}{gemm}, bias={self.bias is not None}")
 
 
 def prepack_ok(device: Any) -> bool:
@@ -377,7 +452,7 @@ class LowbitWeights(SamplerWeights):
                  int8_kernel: str = "weight_only", smooth_alpha: float = 0.5,
                  prepack: bool = True, free_while_training: bool = False,
                  attention: str = "model", w8a8_decode: str = "auto",
-                 w8a8_max_spread: float = 4.0) -> None:
+                 w8a8_max_spread: float = 4.0, w8a8_gemm: str = "auto") -> None:
         if precision not in ("bf16", "int8"):
             raise ValueError(f"a low-precision copy is bf16 or int8, not {precision!r}")
         if attention not in ATTENTIONS:
@@ -388,6 +463,7 @@ class LowbitWeights(SamplerWeights):
             raise ValueError(f"w8a8_max_spread is a ratio of ranges, at least 1, not "
                              f"{w8a8_max_spread}")
         self.precision, self.int8_kernel = precision, int8_kernel
+        self.w8a8_gemm = resolve_w8a8_gemm(w8a8_gemm)
         self.smooth_alpha = smooth_alpha
         self.w8a8_decode, self.w8a8_max_spread = w8a8_decode, float(w8a8_max_spread)
         # w8a8: each layer's token spread at calibration (see calibrate)
@@ -443,7 +519,8 @@ class LowbitWeights(SamplerWeights):
             bias = old.bias is not None
             if kind == "int8":
                 new_module: nn.Module = Int8Linear(old.in_features, old.out_features, bias,
-                                                   int8_kernel, self.compute_dtype, device)
+                                                   int8_kernel, self.compute_dtype, device,
+                                                   self.w8a8_gemm)
             elif kind == "packed":
                 new_module = PackedLinear(old.in_features, old.out_features, bias, device)
             else:

@@ -142,19 +142,21 @@ def test_prepack_is_ignored_where_onednn_cannot_take_it(monkeypatch: pytest.Monk
 
 def test_int8_linear_matches_the_fp32_linear_on_random_inputs() -> None:
     g = torch.Generator().manual_seed(0)
-    for kernel, inner in (("weight_only", 64), ("weight_only", 24), ("dynamic", 64),
-                          ("dynamic", 24), ("w8a8", 64), ("w8a8", 24)):
+    for kernel, inner, gemm in (("weight_only", 64, "auto"), ("weight_only", 24, "auto"),
+                                ("dynamic", 64, "auto"), ("dynamic", 24, "auto"),
+                                ("w8a8", 64, "int_mm"), ("w8a8", 24, "int_mm"),
+                                ("w8a8", 64, "fbgemm"), ("w8a8", 24, "fbgemm")):
         ref = torch.nn.Linear(inner, 48)
         with torch.no_grad():
             ref.weight.copy_(torch.randn(48, inner, generator=g))
             ref.bias.copy_(torch.randn(48, generator=g))
-        q = Int8Linear(inner, 48, True, kernel)
+        q = Int8Linear(inner, 48, True, kernel, w8a8_gemm=gemm)
         q.load(ref.weight, ref.bias)
         x = torch.randn(3, 5, inner, generator=g)  # 3-d input, as inside a transformer
         y, want = q(x).float(), ref(x).detach()
         assert y.shape == want.shape
         rel = float((y - want).norm() / want.norm())
-        assert rel < 0.02, (kernel, inner, rel)
+        assert rel < 0.02, (kernel, inner, gemm, rel)
         # the quantisation itself: |W - q s| <= s / 2 per row (s exact in its own dtype)
         assert bool(((q.dequantized() - ref.weight).abs()
                      <= q.scales.float()[:, None] / 2 + 1e-6).all())
@@ -194,12 +196,13 @@ def test_refresh_after_an_optimizer_step_makes_the_copy_match_the_master(tmp_pat
             assert torch.equal(a, b.detach().to(a.dtype))
 
 
-def _outlier_layer(kernel: str, inner: int = 64) -> tuple[torch.nn.Linear, Int8Linear]:
+def _outlier_layer(kernel: str, inner: int = 64, gemm: str = "auto"
+                   ) -> tuple[torch.nn.Linear, Int8Linear]:
     g = torch.Generator().manual_seed(1)
     ref = torch.nn.Linear(inner, 32, bias=False)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(32, inner, generator=g))
-    q = Int8Linear(inner, 32, False, kernel)
+    q = Int8Linear(inner, 32, False, kernel, w8a8_gemm=gemm)
     q.load(ref.weight)
     return ref, q
 
@@ -211,16 +214,68 @@ def _rel(y: torch.Tensor, want: torch.Tensor) -> float:
 def test_w8a8_scales_each_token_on_its_own() -> None:
     """A prompt's first token can carry activations 100x the others' (the "massive
     activations" of small LMs). One scale per tensor (``dynamic``) then rounds the other tokens
-    to a few levels; one scale per token (``w8a8``) leaves them as accurate as alone."""
+    to a few levels; one scale per token (``w8a8``, through either per-token GEMM) leaves them
+    as accurate as alone."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 64, generator=g)
     x[0] *= 300.0  # one loud token among six
     errors = {}
-    for kernel in ("dynamic", "w8a8"):
-        ref, q = _outlier_layer(kernel)
-        errors[kernel] = _rel(q(x)[1:].float(), ref(x)[1:].detach())  # the quiet tokens
-    assert errors["w8a8"] < 0.02, errors
-    assert errors["dynamic"] > 5 * errors["w8a8"], errors
+    for kernel, gemm in (("dynamic", "auto"), ("w8a8", "int_mm"), ("w8a8", "fbgemm")):
+        ref, q = _outlier_layer(kernel, gemm=gemm)
+        errors[kernel, gemm] = _rel(q(x)[1:].float(), ref(x)[1:].detach())  # the quiet tokens
+        assert _rel(q(x)[:1].float(), ref(x)[:1].detach()) < 0.02  # and the loud one
+    for gemm in ("int_mm", "fbgemm"):
+        assert errors["w8a8", gemm] < 0.02, errors
+        assert errors["dynamic", "auto"] > 5 * errors["w8a8", gemm], errors
+
+
+def test_the_w8a8_gemm_is_fbgemm_without_vnni_and_int_mm_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``w8a8_gemm: auto``: without VNNI torch._int_mm is a reference loop (15-30x slower than
+    fp32 at 8 rows on an AVX2 CPU, BENCHMARKS.md), so the per-token GEMM is fbgemm's."""
+    for vnni, want in ((True, "int_mm"), (False, "fbgemm")):
+        monkeypatch.setattr(quant, "_VNNI", vnni)
+        assert quant.resolve_w8a8_gemm("auto") == want
+        assert Int8Linear(16, 8, False, "w8a8").w8a8_gemm == want
+        assert quant.resolve_w8a8_gemm("int_mm") == "int_mm"
+    with pytest.raises(ValueError, match="w8a8_gemm"):
+        quant.resolve_w8a8_gemm("cublas")
+    with pytest.raises(ValueError, match="w8a8_gemm"):
+        LowbitWeights(_LoudTokenModel(), "int8", int8_kernel="w8a8", w8a8_gemm="cublas")
+
+
+def test_without_vnni_w8a8_keeps_fbgemms_int16_pair_sums_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without VNNI fbgemm adds pairs of u8 activation x s8 weight products in saturating int16,
+    which 8-bit activations and 8-bit weights can overflow; w8a8 stores weights of at most 63
+    in magnitude there (255 * 63 * 2 <= 32767) and keeps 8-bit activations. The input below
+    (every weight at its row's maximum, activations at the top of their range) is the worst
+    case: the layer is exact up to rounding on every CPU."""
+    w = torch.ones(4, 64)
+    x = torch.ones(2, 64)
+    x[:, 0] = -1.0  # activations span [-1, 1], so the ones quantise to u8 255
+    want = float(x[0] @ w[0])
+    for vnni, qmax in ((True, 127), (False, 63)):
+        monkeypatch.setattr(quant, "_VNNI", vnni)
+        layer = Int8Linear(64, 4, False, "w8a8", w8a8_gemm="fbgemm")
+        layer.load(w)
+        assert int(layer.int8_weight().abs().max()) == qmax
+    monkeypatch.undo()
+    for gemm in ("fbgemm", "int_mm"):
+        layer = Int8Linear(64, 4, False, "w8a8", w8a8_gemm=gemm)
+        layer.load(w)
+        assert float(layer(x)[0, 0]) == pytest.approx(want, rel=0.02)
+        # fbgemm's packed copy is the only one kept where every call runs it
+        assert (layer.qweight.numel() == 0) == (gemm == "fbgemm")
+        assert torch.equal(layer.int8_weight().float() * layer.scales[:, None],
+                           layer.dequantized())
+    if not quant._VNNI:  # the hardware fact behind it, on this CPU: 8-bit weights saturate
+        q, scales = quantize_rows(w, qmax=127)
+        packed = quant._fbgemm_pack(q, scales, None)
+        got = float(torch.ops.quantized.linear_dynamic(x, packed, False)[0, 0])
+        assert abs(got - want) > 0.5 * want, got
+    with pytest.raises(ValueError, match="qmax"):
+        quantize_rows(w, qmax=128)
 
 
 def test_smoothing_moves_an_outlier_channel_into_the_weights() -> None:
@@ -326,7 +381,9 @@ def test_w8a8_decode_takes_one_scale_per_call_only_where_the_tokens_are_alike() 
     first, second = copy.model.first, copy.model.second
     assert copy.spreads["first"] <= 4.0 < 50.0 < copy.spreads["second"], copy.spreads
     assert first.decode_per_tensor and first.packed is not None
-    assert not second.decode_per_tensor and second.packed is None
+    assert not second.decode_per_tensor
+    # the per-token layer holds fbgemm's packing only where fbgemm is its per-token GEMM
+    assert (second.packed is not None) == (second.w8a8_gemm == "fbgemm")
     # the same copy with per-token scales everywhere computes the prefill bit for bit
     token = LowbitWeights(master, "int8", int8_kernel="w8a8", prepack=False, w8a8_decode="token")
     with torch.no_grad():
@@ -339,7 +396,7 @@ def test_w8a8_decode_takes_one_scale_per_call_only_where_the_tokens_are_alike() 
         got = first(x)
         want = torch.ops.quantized.linear_dynamic(
             (x.reshape(-1, 64) * first.inv_smooth).contiguous(), first.packed,
-            not quant._VNNI).reshape(got.shape)
+            False).mul(first.scales).reshape(got.shape) + first.bias
         assert torch.equal(got, want)
         assert not torch.equal(got, token.model.first(x))  # another path
         assert _rel(got, master.first(x)) < 0.02
@@ -402,10 +459,13 @@ def test_a_released_copy_holds_no_weights_and_computes_the_same_after_refresh(
     ids = torch.randint(0, master.config.vocab_size, (2, 7), generator=torch.Generator()
                         .manual_seed(0))
 
-    def held() -> int:  # bytes of every distinct storage the copy's module holds
+    def held() -> int:  # bytes of every distinct storage the copy's module holds, packed too
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in (*copy.model.parameters(), *copy.model.buffers())}
-        return sum(storages.values())
+        packed = sum(m.in_features * m.out_features * (1 if isinstance(m, Int8Linear) else 2)
+                     for m in copy.model.modules()
+                     if isinstance(m, Int8Linear | PackedLinear) and m.packed is not None)
+        return sum(storages.values()) + packed
 
     with torch.no_grad():
         copy.model(input_ids=ids)  # w8a8 calibrates on its first forward (and refreshes)
@@ -533,6 +593,7 @@ def test_the_async_worker_samples_with_this_copy(tmp_path: Path) -> None:
     ("attention=flash", r"lowbit_rollout\.attention"),
     ("precision=int8 int8_kernel=w8a8 w8a8_decode=tensor", r"lowbit_rollout\.w8a8_decode"),
     ("precision=int8 int8_kernel=w8a8 w8a8_max_spread=0.5", r"w8a8_max_spread"),
+    ("precision=int8 int8_kernel=w8a8 w8a8_gemm=cublas", r"lowbit_rollout\.w8a8_gemm"),
     ("precision=fp32 attention=eager", r"needs a low-precision copy"),
 ])
 def test_bad_settings_fail_clearly(override: str, match: str) -> None:
