@@ -66,20 +66,29 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
     return q, scales
 
 
-def _cpu_has_vnni() -> bool:
-    """Whether this CPU multiplies u8 x s8 pairs into int32 directly (VNNI). Without it fbgemm
-    sums pairs in saturating int16, which 8-bit activations can overflow, so they are reduced
-    to 7 bits (``reduce_range``)."""
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return f.read()
     except OSError:
-        return False
+        return ""
+
+
+def _cpu_has_vnni() -> bool:
+    """Whether this CPU multiplies u8 x s8 pairs into int32 directly (VNNI, AVX512 or AVX)."""
+    flags = _cpu_flags()
     return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
 
 
+def _fbgemm_has_vnni() -> bool:
+    """Whether fbgemm runs its VNNI kernels here: it has them for AVX512-VNNI only (its ISAs
+    are avx512_vnni, avx512 and avx2), so a CPU with AVX-VNNI alone gets its AVX2 kernels."""
+    return "avx512_vnni" in _cpu_flags()
+
+
 _VNNI = _cpu_has_vnni()
-# Without VNNI fbgemm adds pairs of u8 x s8 products in saturating int16: with 8-bit
+_FBGEMM_VNNI = _fbgemm_has_vnni()
+# Without VNNI kernels fbgemm adds pairs of u8 x s8 products in saturating int16: with 8-bit
 # activations (u8 <= 255) that is exact while |q| <= 63 (255 * 63 * 2 = 32130 <= 32767), so
 # w8a8 stores 7-bit weights there and keeps 8-bit activations, rather than 8-bit weights with
 # 7-bit activations (``reduce_range``): SmoothQuant has already moved the hard range into the
@@ -204,10 +213,11 @@ class Int8Linear(nn.Module):
         return self.kernel == "w8a8" and device.type == "cpu" and self.w8a8_gemm == "fbgemm"
 
     def _qmax(self, device: torch.device) -> int:
-        """The largest stored weight magnitude: 127, or under w8a8 on a CPU without VNNI 63,
-        which keeps fbgemm's int16 pair sums exact with 8-bit activations (see _NO_VNNI_QMAX)."""
+        """The largest stored weight magnitude: 127, or under w8a8 on a CPU where fbgemm has no
+        VNNI kernels 63, which keeps its int16 pair sums exact with 8-bit activations (see
+        _NO_VNNI_QMAX)."""
         return _NO_VNNI_QMAX if self.kernel == "w8a8" and device.type == "cpu" and \
-            not _VNNI else 127
+            not _FBGEMM_VNNI else 127
 
     def int8_weight(self) -> torch.Tensor:
         """The stored int8 values ``q`` (``[out, in]``), from the plain buffer or, where only
@@ -287,7 +297,8 @@ class Int8Linear(nn.Module):
         ``w8a8_gemm: fbgemm``, each row of the smoothed input is divided by its absolute
         maximum before that kernel and its output row multiplied back: the kernel's one scale
         then fits every token alike, which is per-token quantisation. fbgemm's activations are
-        8-bit in both paths; without VNNI the weights are 7-bit (``_NO_VNNI_QMAX``)."""
+        8-bit in both paths; where fbgemm has no VNNI kernels the weights are 7-bit
+        (``_NO_VNNI_QMAX``)."""
         cache = self.shared_input
         if self.packed is not None and self.decode_per_tensor and x.dim() > 2 and \
                 x.shape[-2] == 1:

@@ -240,15 +240,21 @@ def test_the_w8a8_gemm_is_fbgemm_without_vnni_and_int_mm_with_it(
         assert quant.resolve_w8a8_gemm("int_mm") == "int_mm"
     with pytest.raises(ValueError, match="w8a8_gemm"):
         quant.resolve_w8a8_gemm("cublas")
+    # fbgemm has VNNI kernels for AVX512-VNNI only: AVX-VNNI alone keeps its int16 pair sums
+    for flags, vnni, fbgemm_vnni in (("avx2 avx_vnni", True, False),
+                                     ("avx512f avx512_vnni", True, True), ("avx2", False, False)):
+        monkeypatch.setattr(quant, "_cpu_flags", lambda flags=flags: f"flags : {flags}\n")
+        assert (quant._cpu_has_vnni(), quant._fbgemm_has_vnni()) == (vnni, fbgemm_vnni), flags
     with pytest.raises(ValueError, match="w8a8_gemm"):
         LowbitWeights(_LoudTokenModel(), "int8", int8_kernel="w8a8", w8a8_gemm="cublas")
 
 
 def test_without_vnni_w8a8_keeps_fbgemms_int16_pair_sums_exact(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without VNNI fbgemm adds pairs of u8 activation x s8 weight products in saturating int16,
-    which 8-bit activations and 8-bit weights can overflow; w8a8 stores weights of at most 63
-    in magnitude there (255 * 63 * 2 <= 32767) and keeps 8-bit activations. The input below
+    """Without VNNI kernels (fbgemm has them for AVX512-VNNI only) fbgemm adds pairs of u8
+    activation x s8 weight products in saturating int16, which 8-bit activations and 8-bit
+    weights can overflow; w8a8 stores weights of at most 63 in magnitude there (255 * 63 * 2
+    <= 32767) and keeps 8-bit activations. The input below
     (every weight at its row's maximum, activations at the top of their range) is the worst
     case: the layer is exact up to rounding on every CPU."""
     w = torch.ones(4, 64)
@@ -256,7 +262,7 @@ def test_without_vnni_w8a8_keeps_fbgemms_int16_pair_sums_exact(
     x[:, 0] = -1.0  # activations span [-1, 1], so the ones quantise to u8 255
     want = float(x[0] @ w[0])
     for vnni, qmax in ((True, 127), (False, 63)):
-        monkeypatch.setattr(quant, "_VNNI", vnni)
+        monkeypatch.setattr(quant, "_FBGEMM_VNNI", vnni)
         layer = Int8Linear(64, 4, False, "w8a8", w8a8_gemm="fbgemm")
         layer.load(w)
         assert int(layer.int8_weight().abs().max()) == qmax
@@ -269,7 +275,7 @@ def test_without_vnni_w8a8_keeps_fbgemms_int16_pair_sums_exact(
         assert (layer.qweight.numel() == 0) == (gemm == "fbgemm")
         assert torch.equal(layer.int8_weight().float() * layer.scales[:, None],
                            layer.dequantized())
-    if not quant._VNNI:  # the hardware fact behind it, on this CPU: 8-bit weights saturate
+    if not quant._FBGEMM_VNNI:  # the hardware fact behind it, on this CPU: 8-bit weights saturate
         q, scales = quantize_rows(w, qmax=127)
         packed = quant._fbgemm_pack(q, scales, None)
         got = float(torch.ops.quantized.linear_dynamic(x, packed, False)[0, 0])
