@@ -67,6 +67,7 @@ def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
 
 
 def _cpu_flags() -> str:
+    """/proc/cpuinfo's text ("" where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             return f.read()
@@ -74,20 +75,22 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _cpu_has_vnni() -> bool:
-    """Whether this CPU multiplies u8 x s8 pairs into int32 directly (VNNI, AVX512 or AVX)."""
-    flags = _cpu_flags()
+def _cpu_has_vnni(flags: str) -> bool:
+    """Whether a CPU with these flags multiplies u8 x s8 pairs into int32 directly (VNNI,
+    AVX512 or AVX)."""
     return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
 
 
-def _fbgemm_has_vnni() -> bool:
-    """Whether fbgemm runs its VNNI kernels here: it has them for AVX512-VNNI only (its ISAs
-    are avx512_vnni, avx512 and avx2), so a CPU with AVX-VNNI alone gets its AVX2 kernels."""
-    return "avx512_vnni" in _cpu_flags()
+def _fbgemm_has_vnni(flags: str) -> bool:
+    """Whether fbgemm runs its VNNI kernels on a CPU with these flags: it has them for
+    AVX512-VNNI only (its ISAs are avx512_vnni, avx512 and avx2), so a CPU with AVX-VNNI alone
+    gets its AVX2 kernels."""
+    return "avx512_vnni" in flags
 
 
-_VNNI = _cpu_has_vnni()
-_FBGEMM_VNNI = _fbgemm_has_vnni()
+_FLAGS = _cpu_flags()  # read once, at import
+_VNNI = _cpu_has_vnni(_FLAGS)
+_FBGEMM_VNNI = _fbgemm_has_vnni(_FLAGS)
 # Without VNNI kernels fbgemm adds pairs of u8 x s8 products in saturating int16: with 8-bit
 # activations (u8 <= 255) that is exact while |q| <= 63 (255 * 63 * 2 = 32130 <= 32767), so
 # w8a8 stores 7-bit weights there and keeps 8-bit activations, rather than 8-bit weights with
@@ -272,19 +275,24 @@ class Int8Linear(nn.Module):
             y = F.linear(x2.to(self.act_dtype), w, self.bias)
         return y.reshape(*lead, self.out_features)
 
+    def _smoothed_rows(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x diag(1/smooth)`` (``[rows, in]``, fp32) and each row's absolute maximum
+        (``[rows, 1]``, at least 1e-8)."""
+        x = x2.float() * self.inv_smooth
+        return x, x.abs().amax(1, keepdim=True).clamp_(min=1e-8)
+
     def _quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x diag(1/smooth)`` (``[rows, in]``) quantised symmetrically to int8 with one scale
         per row, i.e. per token, so a token with huge activations (e.g. the first of a prompt)
         does not set the scale of the others. Returns ``(int8 values, row scales [rows, 1])``."""
-        x = x.float() * self.inv_smooth
-        row_scale = x.abs().amax(1, keepdim=True).clamp_(min=1e-8).div_(127.0)
+        x, row_max = self._smoothed_rows(x)
+        row_scale = row_max.div_(127.0)
         return torch.round(x / row_scale), row_scale
 
     def _unit_rows(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x diag(1/smooth)`` with each row divided by its absolute maximum (``[rows, in]``,
         every row's largest magnitude 1), and those maxima (``[rows, 1]``)."""
-        x = x2.float() * self.inv_smooth
-        row_max = x.abs().amax(1, keepdim=True).clamp_(min=1e-8)
+        x, row_max = self._smoothed_rows(x2)
         return (x / row_max).contiguous(), row_max
 
     def _w8a8(self, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:

@@ -243,8 +243,8 @@ def test_the_w8a8_gemm_is_fbgemm_without_vnni_and_int_mm_with_it(
     # fbgemm has VNNI kernels for AVX512-VNNI only: AVX-VNNI alone keeps its int16 pair sums
     for flags, vnni, fbgemm_vnni in (("avx2 avx_vnni", True, False),
                                      ("avx512f avx512_vnni", True, True), ("avx2", False, False)):
-        monkeypatch.setattr(quant, "_cpu_flags", lambda flags=flags: f"flags : {flags}\n")
-        assert (quant._cpu_has_vnni(), quant._fbgemm_has_vnni()) == (vnni, fbgemm_vnni), flags
+        text = f"flags : {flags}\n"
+        assert (quant._cpu_has_vnni(text), quant._fbgemm_has_vnni(text)) == (vnni, fbgemm_vnni)
     with pytest.raises(ValueError, match="w8a8_gemm"):
         LowbitWeights(_LoudTokenModel(), "int8", int8_kernel="w8a8", w8a8_gemm="cublas")
 
